@@ -1,0 +1,19 @@
+"""relay_hf: RelayAttention for HuggingFace transformers.
+
+Batched generation under one long system prompt reads that prompt's KV once per batch instead of once per row,
+exactly (no retraining, no quality change). See README.md and docs/.
+"""
+
+from .attention import RelayMask, relay_attention_forward, relay_mask
+from .cache import ATTN_NAME, RelayCache, RelayKV, RelayLayer
+from .generate import RelayDecision, RelayFallbackWarning
+from .kernels import relay_attention, relay_attention_torch
+from .patch import is_patched, patch, unpatch, unsupported_reason
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "ATTN_NAME", "RelayCache", "RelayDecision", "RelayFallbackWarning", "RelayKV", "RelayLayer", "RelayMask",
+    "is_patched", "patch", "relay_attention", "relay_attention_forward", "relay_attention_torch", "relay_mask",
+    "unpatch", "unsupported_reason",
+]

@@ -1,0 +1,219 @@
+"""What is stored: ONE copy of the shared prefix KV per layer, plus each row's own suffix KV.
+
+Layout per layer (``RelayLayer``)::
+
+    prefix_keys / prefix_values   [1, H_kv, P, D]    the system prompt, shared by every row, never expanded
+    keys / values (the suffix)    [B, H_kv, L_s, D]  per-row tokens after the prefix, left-padded
+
+``get_seq_length() == P + L_s``, so generate's position ids and masks line up with a row that would have held the
+prefix itself. How ``update`` hands the two parts to attention depends on the model's attention implementation:
+
+* ``"relay"`` (the model went through ``relay_hf.patch``): ``update`` returns ``RelayKV(prefix, suffix)`` pairs so the
+  relay attention function reads the prefix once per batch, and masks are sized over the suffix only
+  (``kv_offset = P``).
+* anything else: ``update`` returns the prefix expanded and concatenated to the suffix, so stock attention
+  computes the exact same thing (slower, never wrong).
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+from transformers.cache_utils import Cache, CacheLayerMixin, DynamicCache
+
+from ._compat import cache_kwarg_name
+
+ATTN_NAME = "relay"
+
+
+class RelayKV(NamedTuple):
+    """Keys (or values) of one layer as two parts: ``prefix [1, H_kv, P, D]`` and ``suffix [B, H_kv, L_s, D]``."""
+
+    prefix: torch.Tensor
+    suffix: torch.Tensor
+
+
+class RelayLayer(CacheLayerMixin):
+    """One layer of a ``RelayCache``: a shared prefix (read-only once set) and a growing per-row suffix.
+
+    Beam reordering, batch selection, repetition and cropping touch the suffix only; the prefix is the same for
+    every row by construction.
+    """
+
+    is_sliding = False
+    is_croppable = True
+
+    def __init__(self, prefix_keys: torch.Tensor | None = None, prefix_values: torch.Tensor | None = None):
+        super().__init__()
+        self.prefix_keys = prefix_keys  # [1, H_kv, P, D] or None before the prefix is set
+        self.prefix_values = prefix_values
+
+    @property
+    def prefix_length(self) -> int:
+        return 0 if self.prefix_keys is None else self.prefix_keys.shape[-2]
+
+    @property
+    def suffix_length(self) -> int:
+        return 0 if self.keys is None else self.keys.shape[-2]
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        self.device, self.dtype = key_states.device, key_states.dtype
+        self.keys = key_states[..., :0, :]
+        self.values = value_states[..., :0, :]
+        self.is_initialized = True
+
+    def append(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        """Add ``[B, H_kv, L_new, D]`` new suffix states."""
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        self.keys = torch.cat([self.keys, key_states], dim=-2)
+        self.values = torch.cat([self.values, value_states], dim=-2)
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, relay: bool = True, **kwargs):
+        self.append(key_states, value_states)
+        if self.prefix_keys is None:
+            return self.keys, self.values
+        if relay:
+            return RelayKV(self.prefix_keys, self.keys), RelayKV(self.prefix_values, self.values)
+        B = self.keys.shape[0]
+        keys = torch.cat([self.prefix_keys.expand(B, -1, -1, -1), self.keys], dim=-2)
+        values = torch.cat([self.prefix_values.expand(B, -1, -1, -1), self.values], dim=-2)
+        return keys, values
+
+    def get_seq_length(self) -> int:
+        return self.prefix_length + self.suffix_length
+
+    def get_mask_sizes(self, query_length: int, relay: bool = False) -> tuple[int, int]:
+        if relay and self.prefix_keys is not None:
+            return self.suffix_length + query_length, self.prefix_length
+        return self.get_seq_length() + query_length, 0
+
+    def get_max_length(self) -> int:
+        return -1
+
+    def reset(self) -> None:
+        self.keys = self.values = None
+        self.is_initialized = False
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        if self.suffix_length:
+            self.keys = self.keys.index_select(0, beam_idx.to(self.keys.device))
+            self.values = self.values.index_select(0, beam_idx.to(self.values.device))
+
+    def crop(self, tokens_to_remove: int) -> None:
+        if tokens_to_remove > 0:
+            raise ValueError(f"crop takes a negative number of tokens to remove, got {tokens_to_remove}")
+        if -tokens_to_remove > self.suffix_length:
+            raise ValueError(f"cannot crop {-tokens_to_remove} tokens: only {self.suffix_length} suffix tokens are "
+                             f"cached and the shared prefix ({self.prefix_length} tokens) is never cropped")
+        if tokens_to_remove:
+            self.keys = self.keys[..., :tokens_to_remove, :]
+            self.values = self.values[..., :tokens_to_remove, :]
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        if self.suffix_length:
+            self.keys = self.keys.repeat_interleave(repeats, dim=0)
+            self.values = self.values.repeat_interleave(repeats, dim=0)
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        if self.suffix_length:
+            self.keys = self.keys[indices, ...]
+            self.values = self.values[indices, ...]
+
+
+class RelayCache(Cache):
+    """A transformers ``Cache`` that stores the shared prefix ONCE per layer and a suffix per row.
+
+    Build one with ``RelayCache.from_prefix(model, prefix_ids)`` (prefills the prefix at batch 1) and pass it to a
+    patched model's ``generate`` as ``past_key_values=`` (or ``cache=`` on transformers >= 5.24) as often as you
+    like: every call works on its own ``fork()``, so the cache you hold is never mutated.
+
+    Attributes:
+        prefix_ids: ``[P]`` int64 token ids of the prefix, or ``None`` when built from raw KV.
+        prefix_length: ``P``.
+    """
+
+    def __init__(self, config, prefix_kv: list[tuple[torch.Tensor, torch.Tensor]] | None = None,
+                 prefix_ids: torch.Tensor | None = None):
+        text_config = config.get_text_config(decoder=True)
+        n_layers = text_config.num_hidden_layers
+        if prefix_kv is not None and len(prefix_kv) != n_layers:
+            raise ValueError(f"prefix_kv has {len(prefix_kv)} layers, the model has {n_layers}")
+        prefix_kv = prefix_kv or [(None, None)] * n_layers
+        super().__init__(layers=[RelayLayer(k, v) for k, v in prefix_kv])
+        self.config = config
+        self.prefix_ids = prefix_ids
+
+    # -- construction ----------------------------------------------------------------------------------------------
+    @classmethod
+    @torch.no_grad()
+    def from_prefix(cls, model, prefix_ids) -> RelayCache:
+        """Prefill ``prefix_ids`` once at batch 1 through ``model`` and keep its KV as the shared prefix.
+
+        Args:
+            model: a causal LM (patched or not).
+            prefix_ids: ``[P]`` or ``[1, P]`` int token ids (tensor or list), ``1 <= P <= max_position_embeddings``.
+        """
+        ids = torch.as_tensor(prefix_ids)
+        if ids.dtype.is_floating_point or ids.dtype == torch.bool:
+            raise ValueError(f"prefix_ids must be integer token ids, got dtype {ids.dtype}")
+        if ids.dim() == 2 and ids.shape[0] == 1:
+            ids = ids[0]
+        if ids.dim() != 1 or ids.numel() == 0:
+            raise ValueError(f"prefix_ids must be a non-empty [P] or [1, P] sequence, got shape {tuple(ids.shape)}")
+        text_config = model.config.get_text_config(decoder=True)
+        max_pos = getattr(text_config, "max_position_embeddings", None)
+        if max_pos is not None and ids.numel() > max_pos:
+            raise ValueError(f"prefix of {ids.numel()} tokens is longer than the model's max_position_embeddings "
+                             f"({max_pos})")
+        ids = ids.to(model.device)
+        scratch = DynamicCache()  # no config: plain full layers, nothing windowed away
+        model.base_model(input_ids=ids[None], use_cache=True, **{cache_kwarg_name(model): scratch})
+        kv = [(layer.keys, layer.values) for layer in scratch.layers]
+        return cls(model.config, kv, prefix_ids=ids)
+
+    def fork(self) -> RelayCache:
+        """A new cache sharing this one's prefix tensors (no copy) with an empty suffix."""
+        return type(self)(self.config, [(lay.prefix_keys, lay.prefix_values) for lay in self.layers], self.prefix_ids)
+
+    # -- state -----------------------------------------------------------------------------------------------------
+    @property
+    def prefix_length(self) -> int:
+        return self.layers[0].prefix_length if self.layers else 0
+
+    @property
+    def relay_active(self) -> bool:
+        """Whether attention goes through relay (patched model) rather than a stock implementation."""
+        return self.config._attn_implementation == ATTN_NAME
+
+    @property
+    def prefix_device(self) -> torch.device | None:
+        return None if self.layers[0].prefix_keys is None else self.layers[0].prefix_keys.device
+
+    @property
+    def prefix_dtype(self) -> torch.dtype | None:
+        return None if self.layers[0].prefix_keys is None else self.layers[0].prefix_keys.dtype
+
+    def prefix_nbytes(self) -> int:
+        """Bytes of storage behind the prefix tensors (counts real storage, so an expanded view would show)."""
+        total = 0
+        for lay in self.layers:
+            for t in (lay.prefix_keys, lay.prefix_values):
+                if t is not None:
+                    total += t.untyped_storage().nbytes()
+        return total
+
+    # -- the Cache protocol ----------------------------------------------------------------------------------------
+    def update(self, key_states, value_states, layer_idx: int, *args, **kwargs):
+        return self.layers[layer_idx].update(key_states, value_states, relay=self.relay_active)
+
+    def get_mask_sizes(self, query_length: int, layer_idx: int) -> tuple[int, int]:
+        return self.layers[layer_idx].get_mask_sizes(query_length, relay=self.relay_active)
+
+    def get_query_offset(self, layer_idx: int = 0) -> int:
+        return self.get_seq_length(layer_idx)
+
+    def __repr__(self) -> str:
+        return (f"RelayCache(layers={len(self.layers)}, prefix_length={self.prefix_length}, "
+                f"suffix_length={self.layers[0].suffix_length if self.layers else 0})")

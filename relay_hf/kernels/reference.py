@@ -1,0 +1,159 @@
+"""PyTorch reference of relay attention: the CPU path and the oracle the Triton kernel is tested against.
+
+Vocabulary (shared with ``relay_hf.kernels.triton_relay``):
+
+* ``prefix_*``: the shared system-prompt part, stored once for the whole batch.
+* ``suffix_*``: each request's own part, left-padded.
+* ``lse``: natural-log log-sum-exp of the scaled scores, always fp32 (fp64 for fp64 inputs); ``-inf`` where a
+  query sees no key of that part.
+
+Both passes produce ``(out, lse)`` partials; ``merge_partials`` combines them exactly:
+``out = sigmoid(lse_p - lse_s) * out_p + sigmoid(lse_s - lse_p) * out_s``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+# Bound on the fp32 score matrix a single prefix chunk materialises (elements), so a long prefill on CPU does not
+# allocate B*G*L_q*P floats at once.
+_MAX_SCORE_ELEMENTS = 1 << 26
+
+
+def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
+    """fp32 accumulation for half types and fp32; fp64 stays fp64 (the tests' oracle)."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def check_relay_inputs(query, prefix_key, prefix_value, suffix_key, suffix_value, suffix_lengths) -> None:
+    """Raise ``ValueError`` naming the first argument whose shape, dtype or device does not fit the contract."""
+    if query.dim() != 4:
+        raise ValueError(f"query must be [B, H_q, L_q, D], got shape {tuple(query.shape)}")
+    B, H_q, L_q, D = query.shape
+    if suffix_key.dim() != 4 or suffix_key.shape[0] != B or suffix_key.shape[-1] != D:
+        raise ValueError(f"suffix_key must be [B={B}, H_kv, L_s, D={D}], got {tuple(suffix_key.shape)}")
+    H_kv, L_s = suffix_key.shape[1], suffix_key.shape[2]
+    if suffix_value.shape != suffix_key.shape:
+        raise ValueError(f"suffix_value shape {tuple(suffix_value.shape)} != suffix_key {tuple(suffix_key.shape)}")
+    if H_q % H_kv:
+        raise ValueError(f"H_q={H_q} is not a multiple of H_kv={H_kv}")
+    if L_q > L_s:
+        raise ValueError(f"L_q={L_q} queries but only L_s={L_s} suffix positions: queries are the last suffix tokens")
+    pshape = (1, H_kv, prefix_key.shape[2] if prefix_key.dim() == 4 else -1, D)
+    if prefix_key.dim() != 4 or tuple(prefix_key.shape) != pshape:
+        raise ValueError(f"prefix_key must be [1, H_kv={H_kv}, P, D={D}] (one copy), got {tuple(prefix_key.shape)}")
+    if prefix_value.shape != prefix_key.shape:
+        raise ValueError(f"prefix_value shape {tuple(prefix_value.shape)} != prefix_key {tuple(prefix_key.shape)}")
+    for name, t in (("prefix_key", prefix_key), ("prefix_value", prefix_value), ("suffix_key", suffix_key),
+                    ("suffix_value", suffix_value)):
+        if t.dtype != query.dtype:
+            raise ValueError(f"{name} dtype {t.dtype} != query dtype {query.dtype}")
+        if t.device != query.device:
+            raise ValueError(f"{name} is on {t.device} but query is on {query.device}")
+    if suffix_lengths is not None:
+        if suffix_lengths.shape != (B,) or suffix_lengths.dtype.is_floating_point:
+            raise ValueError(f"suffix_lengths must be an integer tensor of shape [{B}], got "
+                             f"{suffix_lengths.dtype} {tuple(suffix_lengths.shape)}")
+
+
+def prefix_attention_torch(query: torch.Tensor, prefix_key: torch.Tensor, prefix_value: torch.Tensor,
+                           scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention of every query of the batch against the ONE shared prefix copy.
+
+    Args:
+        query: ``[B, H_q, L_q, D]``.
+        prefix_key, prefix_value: ``[1, H_kv, P, D]``, same dtype as ``query``.
+
+    Returns:
+        ``out_p [B, H_q, L_q, D]`` (accumulation dtype) and ``lse_p [B, H_q, L_q]`` (fp32, natural log).
+
+    Batch, GQA group and query position are folded into one row dimension (``[H_kv, B*G*L_q, D]``) so that a
+    single batched GEMM per KV head reads the prefix once for the whole batch.
+    """
+    B, H_q, L_q, D = query.shape
+    H_kv, P = prefix_key.shape[1], prefix_key.shape[2]
+    acc = _acc_dtype(query.dtype)
+    if P == 0:
+        return (torch.zeros(B, H_q, L_q, D, dtype=acc, device=query.device),
+                torch.full((B, H_q, L_q), float("-inf"), dtype=acc, device=query.device))
+    G = H_q // H_kv
+    rows = query.view(B, H_kv, G, L_q, D).transpose(0, 1).reshape(H_kv, B * G * L_q, D).to(acc)  # [H_kv, N, D]
+    k = prefix_key[0].to(acc)  # [H_kv, P, D]
+    v = prefix_value[0].to(acc)
+    out = torch.empty(H_kv, B * G * L_q, D, dtype=acc, device=query.device)
+    lse = torch.empty(H_kv, B * G * L_q, dtype=acc, device=query.device)
+    step = max(1, _MAX_SCORE_ELEMENTS // max(1, H_kv * P))
+    for start in range(0, rows.shape[1], step):
+        scores = torch.matmul(rows[:, start:start + step], k.transpose(1, 2)) * scale  # [H_kv, n, P]
+        lse_c = torch.logsumexp(scores, dim=-1)
+        out[:, start:start + step] = torch.matmul(torch.exp(scores - lse_c[..., None]), v)
+        lse[:, start:start + step] = lse_c
+    out = out.view(H_kv, B, G, L_q, D).transpose(0, 1).reshape(B, H_q, L_q, D)
+    lse = lse.view(H_kv, B, G, L_q).transpose(0, 1).reshape(B, H_q, L_q)
+    return out, lse
+
+
+def suffix_attention_torch(query: torch.Tensor, suffix_key: torch.Tensor, suffix_value: torch.Tensor, scale: float,
+                           suffix_lengths: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row's queries against its own left-padded suffix, causal, GQA without expanding K/V.
+
+    Args:
+        query: ``[B, H_q, L_q, D]``; query ``i`` sits at suffix position ``L_s - L_q + i``.
+        suffix_key, suffix_value: ``[B, H_kv, L_s, D]``; row ``b``'s valid keys are its last ``suffix_lengths[b]``.
+        suffix_lengths: ``[B]`` integer, or ``None`` when every position is valid.
+
+    Returns:
+        ``out_s [B, H_q, L_q, D]`` (accumulation dtype; zero where a query sees no key) and ``lse_s [B, H_q, L_q]``
+        (``-inf`` there).
+    """
+    B, H_q, L_q, D = query.shape
+    H_kv, L_s = suffix_key.shape[1], suffix_key.shape[2]
+    G = H_q // H_kv
+    acc = _acc_dtype(query.dtype)
+    q = query.reshape(B, H_kv, G * L_q, D).to(acc)  # group folded into the query rows
+    scores = torch.matmul(q, suffix_key.to(acc).transpose(2, 3)) * scale  # [B, H_kv, G*L_q, L_s]
+    q_pos = torch.arange(L_q, device=query.device) + (L_s - L_q)
+    k_pos = torch.arange(L_s, device=query.device)
+    visible = (k_pos[None, :] <= q_pos[:, None])[None]  # [1, L_q, L_s]
+    if suffix_lengths is not None:
+        first_valid = (L_s - suffix_lengths.to(query.device)).view(B, 1, 1)
+        visible = visible & (k_pos.view(1, 1, L_s) >= first_valid)  # [B, L_q, L_s]
+    visible = visible[:, None, None].expand(-1, 1, G, -1, -1).reshape(visible.shape[0], 1, G * L_q, L_s)
+    scores = scores.masked_fill(~visible, float("-inf"))
+    lse = torch.logsumexp(scores, dim=-1)  # [B, H_kv, G*L_q]
+    probs = torch.exp(scores - torch.where(torch.isinf(lse), 0.0, lse)[..., None])
+    out = torch.matmul(probs, suffix_value.to(acc))
+    return out.view(B, H_q, L_q, D), lse.view(B, H_q, L_q)
+
+
+def merge_partials(out_p: torch.Tensor, lse_p: torch.Tensor, out_s: torch.Tensor,
+                   lse_s: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Exact log-sum-exp merge of two attention partials over disjoint key sets.
+
+    Args:
+        out_p, out_s: ``[..., D]`` partial outputs, each normalised over its own keys.
+        lse_p, lse_s: ``[...]`` natural-log LSE of each part; ``-inf`` for an empty part.
+
+    Returns:
+        ``(out, lse)``: the merged output (zero where both parts are empty, never NaN) and its LSE.
+    """
+    lse = torch.logaddexp(lse_p, lse_s)
+    safe = torch.where(torch.isinf(lse), 0.0, lse)
+    w_p = torch.exp(lse_p - safe)[..., None]  # = sigmoid(lse_p - lse_s)
+    w_s = torch.exp(lse_s - safe)[..., None]
+    return w_p * out_p + w_s * out_s, lse
+
+
+def relay_attention_torch(query: torch.Tensor, prefix_key: torch.Tensor, prefix_value: torch.Tensor,
+                          suffix_key: torch.Tensor, suffix_value: torch.Tensor, *, scale: float | None = None,
+                          suffix_lengths: torch.Tensor | None = None) -> torch.Tensor:
+    """Relay attention in PyTorch; same signature and contract as ``relay_hf.relay_attention``.
+
+    Returns ``[B, H_q, L_q, D]`` in ``query.dtype``.
+    """
+    check_relay_inputs(query, prefix_key, prefix_value, suffix_key, suffix_value, suffix_lengths)
+    scale = query.shape[-1] ** -0.5 if scale is None else scale
+    out_p, lse_p = prefix_attention_torch(query, prefix_key, prefix_value, scale)
+    out_s, lse_s = suffix_attention_torch(query, suffix_key, suffix_value, scale, suffix_lengths)
+    out, _ = merge_partials(out_p, lse_p, out_s, lse_s)
+    return out.to(query.dtype)

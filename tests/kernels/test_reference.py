@@ -1,0 +1,76 @@
+"""relay_attention_torch (the CPU path and the kernels' oracle) against a float64 dense reference."""
+
+import itertools
+
+import pytest
+import torch
+
+from relay_hf.kernels import reference
+from relay_hf.kernels.reference import merge_partials, relay_attention_torch
+from tests.conftest import dense_reference, rel_err
+
+
+def make_inputs(B, H_kv, G, L_q, L_s, P, D, dtype=torch.float32, padded=False, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    rnd = lambda *s: torch.randn(*s, generator=g).to(dtype)  # noqa: E731
+    q = rnd(B, H_kv * G, L_q, D)
+    pk, pv = rnd(1, H_kv, P, D), rnd(1, H_kv, P, D)
+    sk, sv = rnd(B, H_kv, L_s, D), rnd(B, H_kv, L_s, D)
+    lengths = None
+    if padded:  # row 0 empty, row 1 shorter than L_q, the rest random
+        lengths = torch.randint(0, L_s + 1, (B,), generator=g)
+        lengths[0], lengths[1] = 0, max(L_q - 2, 0)
+    return q, pk, pv, sk, sv, lengths
+
+
+GRID = list(itertools.product([0, 1, 37, 300], [1, 5], [False, True], [1, 3, 4, 8]))
+
+
+@pytest.mark.parametrize("P,L_q,padded,G", GRID)
+def test_relay_matches_float64_dense(P, L_q, padded, G):
+    q, pk, pv, sk, sv, lengths = make_inputs(4, 2, G, L_q, 9, P, 32, padded=padded, seed=P * 7 + G)
+    out = relay_attention_torch(q, pk, pv, sk, sv, suffix_lengths=lengths)
+    ref = dense_reference(q, pk, pv, sk, sv, suffix_lengths=lengths)
+    assert out.shape == q.shape and out.dtype == q.dtype
+    assert torch.isfinite(out).all()
+    assert rel_err(out, ref) < 1e-5
+
+
+def test_empty_rows_without_prefix_are_zero_not_nan():
+    q, pk, pv, sk, sv, _ = make_inputs(2, 1, 2, 1, 4, 0, 16)
+    out = relay_attention_torch(q, pk, pv, sk, sv, suffix_lengths=torch.tensor([0, 4]))
+    assert torch.isfinite(out).all()
+    assert out[0].abs().max() == 0 and out[1].abs().max() > 0
+
+
+def test_prefix_chunking_gives_the_same_answer(monkeypatch):
+    q, pk, pv, sk, sv, lengths = make_inputs(3, 2, 4, 5, 8, 300, 32, padded=True, seed=3)
+    whole = relay_attention_torch(q, pk, pv, sk, sv, suffix_lengths=lengths)
+    monkeypatch.setattr(reference, "_MAX_SCORE_ELEMENTS", 2 * 300 * 7)  # 7 query rows per chunk
+    chunked = relay_attention_torch(q, pk, pv, sk, sv, suffix_lengths=lengths)
+    assert rel_err(chunked, whole) < 1e-6
+
+
+def test_merge_is_the_sigmoid_formula():
+    g = torch.Generator().manual_seed(1)
+    out_p, out_s = torch.randn(5, 8, generator=g), torch.randn(5, 8, generator=g)
+    lse_p, lse_s = torch.randn(5, generator=g) * 3, torch.randn(5, generator=g) * 3
+    merged, lse = merge_partials(out_p, lse_p, out_s, lse_s)
+    expect = torch.sigmoid(lse_p - lse_s)[:, None] * out_p + torch.sigmoid(lse_s - lse_p)[:, None] * out_s
+    assert torch.allclose(merged, expect, atol=1e-6)
+    assert torch.allclose(lse, torch.logaddexp(lse_p, lse_s))
+
+
+@pytest.mark.parametrize("bad,match", [
+    (lambda a: a.update(prefix_key=a["prefix_key"].expand(2, -1, -1, -1)), "one copy"),
+    (lambda a: a.update(suffix_key=a["suffix_key"][:, :, :1]), "suffix_value shape|L_q"),
+    (lambda a: a.update(prefix_value=a["prefix_value"].double()), "dtype"),
+    (lambda a: a.update(suffix_lengths=torch.ones(2)), "suffix_lengths"),
+    (lambda a: a.update(query=a["query"][:, :3]), "multiple"),
+])
+def test_bad_inputs_name_the_problem(bad, match):
+    q, pk, pv, sk, sv, _ = make_inputs(2, 2, 2, 2, 4, 3, 8)
+    args = dict(query=q, prefix_key=pk, prefix_value=pv, suffix_key=sk, suffix_value=sv)
+    bad(args)
+    with pytest.raises(ValueError, match=match):
+        relay_attention_torch(**args)

@@ -1,0 +1,71 @@
+"""RelayCache: one prefix copy, suffix-only bookkeeping, exact on stock attention too."""
+
+import pytest
+import torch
+
+import relay_hf
+from relay_hf import RelayCache
+from tests.tiny import shared_prefix_batch, tiny_model
+
+
+@pytest.fixture(scope="module")
+def model():
+    return tiny_model("qwen2")
+
+
+def test_from_prefix_stores_one_copy(model):
+    _, _, prefix = shared_prefix_batch()
+    cache = RelayCache.from_prefix(model, prefix)
+    H, D = model.config.num_key_value_heads, model.config.hidden_size // model.config.num_attention_heads
+    assert cache.prefix_length == 40 and cache.get_seq_length() == 40
+    assert torch.equal(cache.prefix_ids, prefix)
+    for lay in cache.layers:
+        assert lay.prefix_keys.shape == (1, H, 40, D) and lay.suffix_length == 0
+    assert cache.prefix_nbytes() == len(cache.layers) * 2 * H * 40 * D * 4
+
+
+def test_suffix_ops_leave_the_prefix_alone(model):
+    _, _, prefix = shared_prefix_batch()
+    cache = RelayCache.from_prefix(model, prefix)
+    lay = cache.layers[0]
+    k = torch.randn(3, lay.prefix_keys.shape[1], 5, lay.prefix_keys.shape[-1])
+    for each in cache.layers:
+        each.append(k, k + 1)
+    assert cache.get_seq_length() == 45
+    cache.reorder_cache(torch.tensor([2, 2, 0]))
+    assert torch.equal(lay.keys[1], k[2]) and lay.prefix_keys.shape[0] == 1
+    cache.batch_repeat_interleave(2)
+    assert lay.keys.shape[0] == 6
+    cache.crop(-2)
+    assert cache.get_seq_length() == 43
+    with pytest.raises(ValueError, match="never cropped"):
+        cache.crop(-10)
+    fork = cache.fork()
+    assert fork.get_seq_length() == 40 and fork.layers[0].prefix_keys is lay.prefix_keys
+
+
+def test_relay_cache_on_stock_attention_is_exact(model):
+    """Unpatched model + RelayCache: update hands stock attention the concatenated prefix + suffix."""
+    ids, mask, prefix = shared_prefix_batch(suffix_lens=(4, 4, 4))
+    assert model.config._attn_implementation == "sdpa"
+    with torch.no_grad():
+        full = model(ids, attention_mask=mask).logits[:, 40:]
+        cache = RelayCache.from_prefix(model, prefix)
+        assert not cache.relay_active
+        tail = model(ids[:, 40:], attention_mask=mask, **{relay_hf._compat.cache_kwarg_name(model): cache}).logits
+    assert torch.allclose(full, tail, atol=1e-5)
+
+
+def test_relay_cache_forward_on_patched_model_matches(model):
+    ids, mask, prefix = shared_prefix_batch(suffix_lens=(4, 4, 4))
+    with torch.no_grad():
+        full = model(ids, attention_mask=mask).logits[:, 40:]
+        relay_hf.patch(model)
+        try:
+            cache = RelayCache.from_prefix(model, prefix)
+            assert cache.relay_active
+            kw = {relay_hf._compat.cache_kwarg_name(model): cache}
+            tail = model(ids[:, 40:], attention_mask=mask, **kw).logits
+        finally:
+            relay_hf.unpatch(model)
+    assert torch.allclose(full, tail, atol=1e-5)

@@ -1,0 +1,55 @@
+"""The embedded SmolLM2-135M-Instruct (fp32, CPU): patched batched generate == stock generate row by row."""
+
+import pytest
+import torch
+
+import relay_hf
+from relay_hf._compat import output_cache
+
+QUESTIONS = [
+    "How long does the boiler take to heat up?",
+    "My shot ran in 15 seconds. What should I change?",
+    "Can I descale with vinegar?",
+    "What does a blinking red ring light mean, and what should I do about it right now?",
+    "How often should I replace the water filter?",
+    "Is the warranty longer if I register the machine, and how many days do I have to register it after buying?",
+]
+
+
+def render(tokenizer, system_prompt, question):
+    messages = [{"role": "system", "content": system_prompt}, {"role": "user", "content": question}]
+    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+
+
+@pytest.mark.slow
+def test_patched_batch_equals_stock_per_row(smollm2, system_prompt):
+    model, tokenizer = smollm2
+    texts = [render(tokenizer, system_prompt, q) for q in QUESTIONS]
+    system_len = len(tokenizer(render(tokenizer, system_prompt, "")[:-len("<|im_start|>user\n<|im_end|>\n"
+                                                                           "<|im_start|>assistant\n")])["input_ids"])
+    assert system_len >= 300
+    stock = []
+    for text in texts:  # stock, one row at a time, no padding
+        enc = tokenizer(text, return_tensors="pt")
+        out = model.generate(**enc, max_new_tokens=32, do_sample=False)
+        stock.append(out[0, enc["input_ids"].shape[1]:])
+    batch = tokenizer(texts, return_tensors="pt", padding=True)
+    assert len(set(batch["attention_mask"].sum(1).tolist())) == len(QUESTIONS)  # different lengths, padded
+    relay_hf.patch(model)
+    try:
+        out = model.generate(**batch, max_new_tokens=32, do_sample=False, return_dict_in_generate=True)
+        decision = model.relay_last_decision
+    finally:
+        relay_hf.unpatch(model)
+    assert decision.used and decision.rows == len(QUESTIONS)
+    T = batch["input_ids"].shape[1]
+    assert torch.equal(out.sequences[:, :T], batch["input_ids"])
+    for row, expected in enumerate(stock):
+        got = out.sequences[row, T:T + len(expected)]
+        assert torch.equal(got, expected), f"row {row}: {tokenizer.decode(got)!r} != {tokenizer.decode(expected)!r}"
+    cache = output_cache(out)
+    assert isinstance(cache, relay_hf.RelayCache)
+    assert cache.prefix_length >= system_len
+    cfg = model.config
+    per_layer = 2 * cfg.num_key_value_heads * cache.prefix_length * (cfg.hidden_size // cfg.num_attention_heads) * 4
+    assert cache.prefix_nbytes() == cfg.num_hidden_layers * per_layer  # one copy, not one per row

@@ -9,6 +9,9 @@ from pathlib import Path
 import pytest
 import torch
 
+if not torch.cuda.is_available():  # Triton kernels run on the CPU interpreter; must be set before triton is imported
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
 REPO = Path(__file__).resolve().parents[1]
 SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
@@ -52,15 +55,16 @@ def dense_reference(query, prefix_key, prefix_value, suffix_key, suffix_value, s
     """Float64 oracle: the prefix expanded to every row, concatenated to the suffix, one masked softmax.
 
     Rows whose query sees no key return zeros (the relay contract)."""
-    q, pk, pv, sk, sv = (t.double().cpu() for t in (query, prefix_key, prefix_value, suffix_key, suffix_value))
+    q, pk, pv, sk, sv = (t.double() for t in (query, prefix_key, prefix_value, suffix_key, suffix_value))
     B, H_q, L_q, D = q.shape
     H_kv, L_s, P = sk.shape[1], sk.shape[2], pk.shape[2]
     scale = D ** -0.5 if scale is None else scale
     k = torch.cat([pk.expand(B, -1, -1, -1), sk], 2).repeat_interleave(H_q // H_kv, 1)
     v = torch.cat([pv.expand(B, -1, -1, -1), sv], 2).repeat_interleave(H_q // H_kv, 1)
-    lengths = torch.full((B,), L_s) if suffix_lengths is None else suffix_lengths.cpu()
-    kpos = torch.arange(P + L_s)
-    qpos = P + L_s - L_q + torch.arange(L_q)
+    dev = q.device
+    lengths = torch.full((B,), L_s, device=dev) if suffix_lengths is None else suffix_lengths.to(dev)
+    kpos = torch.arange(P + L_s, device=dev)
+    qpos = P + L_s - L_q + torch.arange(L_q, device=dev)
     visible = (kpos[None, None] <= qpos[None, :, None]) & (
         (kpos[None, None] < P) | (kpos[None, None] >= P + L_s - lengths[:, None, None]))
     scores = (q @ k.transpose(-1, -2)) * scale
@@ -70,7 +74,7 @@ def dense_reference(query, prefix_key, prefix_value, suffix_key, suffix_value, s
 
 
 def rel_err(out, ref) -> float:
-    out, ref = out.double().cpu(), ref.double().cpu()
+    out, ref = out.double(), ref.double().to(out.device)
     return float((out - ref).norm() / ref.norm().clamp_min(1e-30))
 
 

@@ -7,6 +7,14 @@ import torch
 from .reference import relay_attention_torch
 
 
+def _triton_ok() -> bool:
+    try:
+        from .triton_relay import triton_available
+    except ImportError:
+        return False
+    return triton_available()
+
+
 def relay_attention(query: torch.Tensor, prefix_key: torch.Tensor, prefix_value: torch.Tensor,
                     suffix_key: torch.Tensor, suffix_value: torch.Tensor, *, scale: float | None = None,
                     suffix_lengths: torch.Tensor | None = None) -> torch.Tensor:
@@ -30,12 +38,11 @@ def relay_attention(query: torch.Tensor, prefix_key: torch.Tensor, prefix_value:
     CUDA tensors go to the Triton kernels when ``relay_hf.kernels.triton_relay`` can run them; everything else
     (CPU, fp64) runs the PyTorch reference, whose numerics the kernels are tested against.
     """
-    if query.is_cuda and query.dtype != torch.float64:
-        from .triton_relay import relay_attention_triton, triton_available
+    if query.is_cuda and query.dtype != torch.float64 and _triton_ok():
+        from .op import relay_attention_op
 
-        if triton_available():
-            return relay_attention_triton(query, prefix_key, prefix_value, suffix_key, suffix_value,
-                                          scale=scale, suffix_lengths=suffix_lengths)
+        scale = query.shape[-1] ** -0.5 if scale is None else float(scale)
+        return relay_attention_op(query, prefix_key, prefix_value, suffix_key, suffix_value, scale, suffix_lengths)
     return relay_attention_torch(query, prefix_key, prefix_value, suffix_key, suffix_value,
                                  scale=scale, suffix_lengths=suffix_lengths)
 

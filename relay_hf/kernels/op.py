@@ -1,0 +1,26 @@
+"""``torch.ops.relay_hf.relay_attention``: the Triton kernels as a PyTorch custom op, so ``torch.compile`` treats
+them as one opaque node (with a fake implementation for shapes) and CUDA graphs can capture them.
+
+No ``from __future__ import annotations`` here: ``torch.library`` reads the real annotations to build the schema.
+"""
+
+from typing import Optional
+
+import torch
+
+from .triton_relay import relay_attention_triton
+
+
+@torch.library.custom_op("relay_hf::relay_attention", mutates_args=(), device_types="cuda")
+def relay_attention_op(query: torch.Tensor, prefix_key: torch.Tensor, prefix_value: torch.Tensor,
+                       suffix_key: torch.Tensor, suffix_value: torch.Tensor, scale: float,
+                       suffix_lengths: Optional[torch.Tensor]) -> torch.Tensor:
+    """``[B, H_q, L_q, D]`` output, laid out as the transpose of a contiguous ``[B, L_q, H_q, D]`` buffer."""
+    return relay_attention_triton(query, prefix_key, prefix_value, suffix_key, suffix_value, scale=scale,
+                                  suffix_lengths=suffix_lengths)
+
+
+@relay_attention_op.register_fake
+def _fake(query, prefix_key, prefix_value, suffix_key, suffix_value, scale, suffix_lengths):
+    B, H_q, L_q, D = query.shape
+    return query.new_empty(B, L_q, H_q, D).transpose(1, 2)

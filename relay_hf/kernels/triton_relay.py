@@ -103,8 +103,8 @@ if triton is not None:
     @triton.jit
     def _prefix_kernel(Q, K, V, PO, PLSE,
                        sq_b, sq_h, sq_l, sq_d, sk_h, sk_p, sk_d, sv_h, sv_p, sv_d,
-                       N, P, L_q, scale_log2, tiles_per_split,
-                       G: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                       N, P, L_q, scale_log2, tiles_per_split, G, D,
+                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                        BLOCK_D: tl.constexpr, IEEE: tl.constexpr, DOT_F32: tl.constexpr):
         pid_m, h, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         # -- phase 1: this program's query rows, folded n = (b * G + g) * L_q + i over the whole batch
@@ -141,8 +141,8 @@ if triton is not None:
     def _suffix_merge_kernel(Q, K, V, LENS, PO, PLSE, O,
                              sq_b, sq_h, sq_l, sq_d, sk_b, sk_h, sk_s, sk_d, sv_b, sv_h, sv_s, sv_d,
                              so_b, so_h, so_l, so_d,
-                             N, L_q, L_s, num_splits, scale_log2,
-                             G: tl.constexpr, D: tl.constexpr, HAS_LENS: tl.constexpr, HAS_PREFIX: tl.constexpr,
+                             N, L_q, L_s, num_splits, scale_log2, G, D,
+                             HAS_LENS: tl.constexpr, HAS_PREFIX: tl.constexpr,
                              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
                              IEEE: tl.constexpr, DOT_F32: tl.constexpr):
         pid_m, h, b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
@@ -221,8 +221,8 @@ def relay_attention_triton(query: torch.Tensor, prefix_key: torch.Tensor, prefix
         _prefix_kernel[(triton.cdiv(N, block_m), H_kv, splits)](
             query, prefix_key, prefix_value, po, plse,
             *query.stride(), *prefix_key.stride()[1:], *prefix_value.stride()[1:],
-            N, P, L_q, scale_log2, per,
-            G=G, D=D, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d, IEEE=ieee, DOT_F32=dot_f32,
+            N, P, L_q, scale_log2, per, G, D,
+            BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d, IEEE=ieee, DOT_F32=dot_f32,
             num_warps=warps, num_stages=stages)
     block_d, block_n, warps, stages = _tile(SUFFIX_TILES, D)
     block_m = _block_m(G * L_q)
@@ -230,8 +230,8 @@ def relay_attention_triton(query: torch.Tensor, prefix_key: torch.Tensor, prefix
     _suffix_merge_kernel[(triton.cdiv(G * L_q, block_m), H_kv, B)](
         query, suffix_key, suffix_value, lens, po, plse, out,
         *query.stride(), *suffix_key.stride(), *suffix_value.stride(), *out.stride(),
-        N, L_q, L_s, splits, scale_log2,
-        G=G, D=D, HAS_LENS=suffix_lengths is not None, HAS_PREFIX=P > 0,
+        N, L_q, L_s, splits, scale_log2, G, D,
+        HAS_LENS=suffix_lengths is not None, HAS_PREFIX=P > 0,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d, IEEE=ieee, DOT_F32=dot_f32, num_warps=warps, num_stages=stages)
     return out
 

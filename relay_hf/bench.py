@@ -46,7 +46,7 @@ def naive_relay(q, pk, pv, sk, sv, scale):
     out_p = out_p.view(H_kv, B, G, D).transpose(0, 1)
     lse_p = lse_p.view(H_kv, B, G).transpose(0, 1)
     out, _ = merge_partials(out_p.float(), lse_p, out_s.float(), lse_s)
-    return out.to(q.dtype).view(B, H_q, 1, D)
+    return out.to(q.dtype).reshape(B, H_q, 1, D)
 
 
 def kernel_case(S: int, B: int, H_q=32, H_kv=8, D=128, L_s=256, dtype=torch.bfloat16, bw: float = 4.2e12) -> dict:

@@ -23,17 +23,30 @@ def render(tokenizer, system_prompt, question):
 
 @pytest.mark.slow
 def test_patched_batch_equals_stock_per_row(smollm2, system_prompt):
+    check_parity(*smollm2, system_prompt)
+
+
+@pytest.mark.gpu
+def test_patched_batch_equals_stock_per_row_on_gpu(smollm2, system_prompt):
     model, tokenizer = smollm2
+    try:
+        check_parity(model.cuda(), tokenizer, system_prompt)
+    finally:
+        model.cpu()
+
+
+def check_parity(model, tokenizer, system_prompt):
+    device = model.device
     texts = [render(tokenizer, system_prompt, q) for q in QUESTIONS]
     system_len = len(tokenizer(render(tokenizer, system_prompt, "")[:-len("<|im_start|>user\n<|im_end|>\n"
                                                                            "<|im_start|>assistant\n")])["input_ids"])
     assert system_len >= 300
     stock = []
     for text in texts:  # stock, one row at a time, no padding
-        enc = tokenizer(text, return_tensors="pt")
+        enc = tokenizer(text, return_tensors="pt").to(device)
         out = model.generate(**enc, max_new_tokens=32, do_sample=False)
         stock.append(out[0, enc["input_ids"].shape[1]:])
-    batch = tokenizer(texts, return_tensors="pt", padding=True)
+    batch = tokenizer(texts, return_tensors="pt", padding=True).to(device)
     assert len(set(batch["attention_mask"].sum(1).tolist())) == len(QUESTIONS)  # different lengths, padded
     relay_hf.patch(model)
     try:
@@ -44,6 +57,7 @@ def test_patched_batch_equals_stock_per_row(smollm2, system_prompt):
     assert decision.used and decision.rows == len(QUESTIONS)
     T = batch["input_ids"].shape[1]
     assert torch.equal(out.sequences[:, :T], batch["input_ids"])
+    print(f"relay on {device}: prefix {decision.prefix_length} tokens, {len(QUESTIONS)} rows, token-identical checked")
     for row, expected in enumerate(stock):
         got = out.sequences[row, T:T + len(expected)]
         assert torch.equal(got, expected), f"row {row}: {tokenizer.decode(got)!r} != {tokenizer.decode(expected)!r}"

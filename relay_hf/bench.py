@@ -10,13 +10,28 @@ from __future__ import annotations
 import argparse
 import csv
 import itertools
+import math
 from pathlib import Path
 
 import torch
 from tqdm import tqdm
 
+from .dispatch import relay_pays
+from .kernels import triton_relay
 from .kernels.reference import merge_partials
 from .kernels.triton_relay import bytes_moved, relay_attention_triton
+
+# Tile/split variants `kernel --tune` times before the sweep; the fastest is used and printed.
+VARIANTS = {
+    "m64": dict(MAX_BLOCK_M=64),
+    "m128": dict(MAX_BLOCK_M=128),
+    "m128_n128": dict(MAX_BLOCK_M=128, PREFIX_TILES={64: (128, 8, 2), 128: (128, 8, 2), 256: (32, 8, 2)}),
+    "m128_more_splits": dict(MAX_BLOCK_M=128, SPLIT_WAVES=4, PARTIAL_BUDGET=2),
+    "m128_fewer_splits": dict(MAX_BLOCK_M=128, SPLIT_WAVES=1, PARTIAL_BUDGET=8),
+    "m128_sfx128": dict(MAX_BLOCK_M=128, SUFFIX_TILES={64: (128, 4, 2), 128: (128, 4, 2), 256: (32, 8, 2)}),
+    "m64_stages2": dict(MAX_BLOCK_M=64, PREFIX_TILES={64: (64, 4, 2), 128: (64, 4, 2), 256: (32, 8, 2)}),
+}
+TUNE_CASES = [(4096, 32), (16384, 32), (4096, 128), (1024, 8)]
 
 
 def copy_bandwidth(device="cuda", nbytes=2 << 30) -> float:
@@ -49,13 +64,41 @@ def naive_relay(q, pk, pv, sk, sv, scale):
     return out.to(q.dtype).reshape(B, H_q, 1, D)
 
 
+def decode_inputs(S: int, B: int, H_q=32, H_kv=8, D=128, L_s=256, dtype=torch.bfloat16):
+    """Llama-3-8B-like decode step: q [B, H_q, 1, D], prefix [1, H_kv, S, D], suffix [B, H_kv, L_s, D]."""
+    g = torch.Generator(device="cuda").manual_seed(S + B)
+    rnd = lambda *s: torch.randn(*s, generator=g, device="cuda", dtype=dtype)  # noqa: E731
+    return rnd(B, H_q, 1, D), rnd(1, H_kv, S, D), rnd(1, H_kv, S, D), rnd(B, H_kv, L_s, D), rnd(B, H_kv, L_s, D)
+
+
+def tune() -> str:
+    """Time every VARIANTS entry on TUNE_CASES; keep the one with the best geometric-mean time."""
+    import triton.testing
+
+    defaults = {k: getattr(triton_relay, k) for v in VARIANTS.values() for k in v}
+    scores = {}
+    for name, variant in VARIANTS.items():
+        for k, v in {**defaults, **variant}.items():
+            setattr(triton_relay, k, v)
+        times = []
+        for S, B in TUNE_CASES:
+            inputs = decode_inputs(S, B)
+            times.append(triton.testing.do_bench_cudagraph(lambda a=inputs: relay_attention_triton(*a),
+                                                           rep=50, return_mode="median"))
+        scores[name] = math.prod(times) ** (1 / len(times))
+        print(f"tune {name:>18}: " + "  ".join(f"S={S},B={B}: {t * 1e3:6.1f} us" for (S, B), t in
+                                               zip(TUNE_CASES, times)))
+    best = min(scores, key=scores.get)
+    for k, v in {**defaults, **VARIANTS[best]}.items():
+        setattr(triton_relay, k, v)
+    print(f"tune: using {best} {VARIANTS[best]}")
+    return best
+
+
 def kernel_case(S: int, B: int, H_q=32, H_kv=8, D=128, L_s=256, dtype=torch.bfloat16, bw: float = 4.2e12) -> dict:
     import triton.testing
 
-    g = torch.Generator(device="cuda").manual_seed(S + B)
-    rnd = lambda *s: torch.randn(*s, generator=g, device="cuda", dtype=dtype)  # noqa: E731
-    q, pk, pv, sk, sv = rnd(B, H_q, 1, D), rnd(1, H_kv, S, D), rnd(1, H_kv, S, D), rnd(B, H_kv, L_s, D), \
-        rnd(B, H_kv, L_s, D)
+    q, pk, pv, sk, sv = decode_inputs(S, B, H_q, H_kv, D, L_s, dtype)
     k_full = torch.cat([pk.expand(B, -1, -1, -1), sk], 2)  # what stock HF holds: the prefix copied per row
     v_full = torch.cat([pv.expand(B, -1, -1, -1), sv], 2)
     scale = D ** -0.5
@@ -69,8 +112,9 @@ def kernel_case(S: int, B: int, H_q=32, H_kv=8, D=128, L_s=256, dtype=torch.bflo
          for name, fn in (("sdpa", sdpa), ("relay", relay), ("naive", naive))}
     floor_ms = bytes_moved(B, H_q, H_kv, 1, S, L_s, D, q.element_size()) / bw * 1e3
     floor_std_ms = dtype.itemsize * 2 * B * H_kv * (S + L_s) * D / bw * 1e3
-    del k_full, v_full
-    return dict(S=S, B=B, sdpa_ms=t["sdpa"], naive_ms=t["naive"], relay_ms=t["relay"], floor_relay_ms=floor_ms,
+    dispatched = t["sdpa"] if relay_pays(B, S, q.device, 1) else t["relay"]
+    return dict(S=S, B=B, sdpa_ms=t["sdpa"], naive_ms=t["naive"], relay_ms=t["relay"], dispatched_ms=dispatched,
+                floor_relay_ms=floor_ms,
                 floor_std_ms=floor_std_ms, speedup_vs_sdpa=t["sdpa"] / t["relay"],
                 speedup_vs_naive=t["naive"] / t["relay"], relay_over_floor=t["relay"] / floor_ms,
                 relay_GBps=bytes_moved(B, H_q, H_kv, 1, S, L_s, D, q.element_size()) / t["relay"] / 1e6, relerr=err)
@@ -116,6 +160,8 @@ def plot_kernel(rows: list[dict], path: Path) -> None:
 def run_kernel(args) -> None:
     bw = copy_bandwidth()
     print(f"copy bandwidth {bw / 1e12:.2f} TB/s, {torch.cuda.get_device_name()}")
+    if args.tune:
+        tune()
     grid = list(itertools.product(args.prefix_len, args.batch))
     rows = [kernel_case(S, B, bw=bw) for S, B in tqdm(grid, desc="kernel")]
     print_table(rows)
@@ -131,6 +177,7 @@ def main(argv=None) -> None:
     k.add_argument("--prefix-len", type=int, nargs="+", default=[512, 1024, 4096, 16384])
     k.add_argument("--batch", type=int, nargs="+", default=[1, 8, 32, 128])
     k.add_argument("--out", type=Path, default=Path("bench_out"))
+    k.add_argument("--tune", action="store_true", help="time the tile/split VARIANTS first and use the fastest")
     k.set_defaults(func=run_kernel)
     try:
         from .bench_generate import add_generate_parser

@@ -15,6 +15,7 @@ from transformers.generation.streamers import BaseStreamer
 
 from ._compat import cache_kwarg_name
 from .cache import RelayCache
+from .dispatch import relay_pays
 from .prefix import (
     common_prefix_length,
     first_mismatch,
@@ -163,11 +164,10 @@ def _plan(model, call: dict) -> dict:
         _check_user_cache(model, user_cache, ids, n_pad)
         P = user_cache.prefix_length
     else:
-        if rows < 2:
-            raise _Stock("a single row has nothing to share")
-        P = common_prefix_length(ids, n_pad)
-        if P < state.min_prefix_length:
-            raise _Stock(f"common prefix of {P} tokens is below min_prefix_length={state.min_prefix_length}")
+        P = common_prefix_length(ids, n_pad) if rows > 1 else 0
+        why = relay_pays(rows, P, model.device, state.min_prefix_length)
+        if why:
+            raise _Stock(why)
     window = _sliding_window(model.config)
     total = T + (gen.max_new_tokens if gen.max_new_tokens is not None else max(gen.max_length - T, 0))
     if window is not None and total > window:

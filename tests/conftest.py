@@ -43,6 +43,8 @@ def smollm2():
     model = AutoModelForCausalLM.from_pretrained(path, gguf_file=SMOLLM2_FILE, dtype=torch.float32).eval()
     tokenizer = AutoTokenizer.from_pretrained(path, gguf_file=SMOLLM2_FILE)
     tokenizer.padding_side = "left"
+    if tokenizer.pad_token is None:  # some tokenizers versions read no pad token from the GGUF
+        tokenizer.pad_token = tokenizer.eos_token
     return model, tokenizer
 
 

@@ -36,7 +36,8 @@ LOG2E = 1.4426950408889634
 # --- tile configs: (BLOCK_N keys per tile, num_warps, num_stages) by head dim, in one visible place ---------------
 PREFIX_TILES = {64: (64, 4, 3), 128: (64, 4, 3), 256: (32, 8, 2)}
 SUFFIX_TILES = {64: (64, 4, 2), 128: (64, 4, 2), 256: (32, 8, 2)}
-MAX_BLOCK_M = 64  # query rows per program; small batches use the smallest tl.dot tile (16)
+MAX_BLOCK_M = 128  # query rows per program; small batches use the smallest tl.dot tile (16)
+WIDE_M_WARPS = 8  # warps for programs of 128 query rows (a 128 x D fp32 accumulator)
 SPLIT_WAVES = 2  # aim for this many programs per SM in the prefix pass
 PARTIAL_BUDGET = 4  # keep fp32 partial traffic <= 1/PARTIAL_BUDGET of the prefix bytes
 
@@ -51,7 +52,7 @@ def _tile(table: dict, head_dim: int):
     return (block_d, *table[min(max(block_d, 64), 256)])
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _num_sms(device_index: int) -> int:
     if not torch.cuda.is_available():
         return 4
@@ -215,6 +216,7 @@ def relay_attention_triton(query: torch.Tensor, prefix_key: torch.Tensor, prefix
     if P > 0:
         block_d, block_n, warps, stages = _tile(PREFIX_TILES, D)
         block_m = _block_m(N)
+        warps = max(warps, WIDE_M_WARPS) if block_m >= 128 else warps
         splits, per = plan_splits(P, N, H_kv, block_m, block_n, _num_sms(query.device.index or 0))
         po = torch.empty(splits, H_kv, N, D, dtype=torch.float32, device=query.device)
         plse = torch.empty(splits, H_kv, N, dtype=torch.float32, device=query.device)
@@ -232,7 +234,8 @@ def relay_attention_triton(query: torch.Tensor, prefix_key: torch.Tensor, prefix
         *query.stride(), *suffix_key.stride(), *suffix_value.stride(), *out.stride(),
         N, L_q, L_s, splits, scale_log2, G, D,
         HAS_LENS=suffix_lengths is not None, HAS_PREFIX=P > 0,
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d, IEEE=ieee, DOT_F32=dot_f32, num_warps=warps, num_stages=stages)
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d, IEEE=ieee, DOT_F32=dot_f32,
+        num_warps=warps, num_stages=stages)
     return out
 
 

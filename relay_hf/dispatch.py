@@ -1,0 +1,25 @@
+"""When relay pays: the one place that decides relay vs the plain (stock SDPA) path for a batch.
+
+The numbers come from ``python -m relay_hf.bench kernel`` on an H200 (docs/performance.md): per decode step the
+Triton relay kernel beats SDPA over the prefix expanded to the batch once ``rows * prefix_length`` reaches about
+16K tokens, and loses below (two launches and the fp32 partials cost a few microseconds that a small prefix does not
+pay back). A single row has nothing to share. On CPU the PyTorch path wins as soon as two rows share the prefix.
+"""
+
+from __future__ import annotations
+
+import torch
+
+CUDA_MIN_SHARED_TOKENS = 16384  # rows * prefix tokens below which the CUDA relay kernel loses to SDPA
+
+
+def relay_pays(rows: int, prefix_length: int, device: torch.device, min_prefix_length: int) -> str | None:
+    """``None`` when relay should serve this batch, else the reason it should not."""
+    if rows < 2:
+        return "a single row has nothing to share"
+    if prefix_length < min_prefix_length:
+        return f"common prefix of {prefix_length} tokens is below min_prefix_length={min_prefix_length}"
+    if device.type == "cuda" and rows * prefix_length < CUDA_MIN_SHARED_TOKENS:
+        return (f"{rows} rows x {prefix_length} prefix tokens < {CUDA_MIN_SHARED_TOKENS}: SDPA is faster on this "
+                "GPU (relay_hf.dispatch)")
+    return None

@@ -39,6 +39,8 @@ def load(device: str, dtype: torch.dtype):
     path = os.path.dirname(spec.origin)
     model = AutoModelForCausalLM.from_pretrained(path, gguf_file=GGUF, dtype=dtype).to(device).eval()
     tokenizer = AutoTokenizer.from_pretrained(path, gguf_file=GGUF, padding_side="left")
+    if tokenizer.pad_token is None:  # some tokenizers versions read no pad token from the GGUF
+        tokenizer.pad_token = tokenizer.eos_token
     return model, tokenizer
 
 

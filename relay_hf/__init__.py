@@ -9,11 +9,12 @@ from .cache import ATTN_NAME, RelayCache, RelayKV, RelayLayer
 from .generate import RelayDecision, RelayFallbackWarning
 from .kernels import relay_attention, relay_attention_torch
 from .patch import is_patched, patch, unpatch, unsupported_reason
+from .pipeline import RelayTextGenerationPipeline, pipeline
 
 __version__ = "0.1.0"
 
 __all__ = [
     "ATTN_NAME", "RelayCache", "RelayDecision", "RelayFallbackWarning", "RelayKV", "RelayLayer", "RelayMask",
-    "is_patched", "patch", "relay_attention", "relay_attention_forward", "relay_attention_torch", "relay_mask",
-    "unpatch", "unsupported_reason",
+    "RelayTextGenerationPipeline", "is_patched", "patch", "pipeline", "relay_attention", "relay_attention_forward",
+    "relay_attention_torch", "relay_mask", "unpatch", "unsupported_reason",
 ]

@@ -36,7 +36,7 @@ LOG2E = 1.4426950408889634
 # --- tile configs: (BLOCK_N keys per tile, num_warps, num_stages) by head dim, in one visible place ---------------
 PREFIX_TILES = {64: (64, 4, 3), 128: (64, 4, 3), 256: (32, 8, 2)}
 SUFFIX_TILES = {64: (64, 4, 2), 128: (64, 4, 2), 256: (32, 8, 2)}
-MAX_BLOCK_M = 128  # query rows per program; small batches use the smallest tl.dot tile (16)
+MAX_BLOCK_M = 64  # query rows per program; small batches use the smallest tl.dot tile (16)
 WIDE_M_WARPS = 8  # warps for programs of 128 query rows (a 128 x D fp32 accumulator)
 SPLIT_WAVES = 2  # aim for this many programs per SM in the prefix pass
 PARTIAL_BUDGET = 4  # keep fp32 partial traffic <= 1/PARTIAL_BUDGET of the prefix bytes

@@ -24,11 +24,11 @@ from .kernels.triton_relay import bytes_moved, relay_attention_triton
 # Tile/split variants `kernel --tune` times before the sweep; the fastest is used and printed.
 VARIANTS = {
     "m64": dict(MAX_BLOCK_M=64),
+    "m64_loop_merge": dict(MAX_BLOCK_M=64, UNROLL_MERGE=False),
+    "m64_more_splits": dict(MAX_BLOCK_M=64, SPLIT_WAVES=4, PARTIAL_BUDGET=2),
+    "m64_sfx128": dict(MAX_BLOCK_M=64, SUFFIX_TILES={64: (128, 4, 2), 128: (128, 4, 2), 256: (32, 8, 2)}),
+    "m64_sfx32": dict(MAX_BLOCK_M=64, SUFFIX_TILES={64: (32, 4, 2), 128: (32, 4, 2), 256: (32, 8, 2)}),
     "m128": dict(MAX_BLOCK_M=128),
-    "m128_n128": dict(MAX_BLOCK_M=128, PREFIX_TILES={64: (128, 8, 2), 128: (128, 8, 2), 256: (32, 8, 2)}),
-    "m128_more_splits": dict(MAX_BLOCK_M=128, SPLIT_WAVES=4, PARTIAL_BUDGET=2),
-    "m128_fewer_splits": dict(MAX_BLOCK_M=128, SPLIT_WAVES=1, PARTIAL_BUDGET=8),
-    "m128_sfx128": dict(MAX_BLOCK_M=128, SUFFIX_TILES={64: (128, 4, 2), 128: (128, 4, 2), 256: (32, 8, 2)}),
     "m64_stages2": dict(MAX_BLOCK_M=64, PREFIX_TILES={64: (64, 4, 2), 128: (64, 4, 2), 256: (32, 8, 2)}),
 }
 TUNE_CASES = [(4096, 32), (16384, 32), (4096, 128), (1024, 8)]

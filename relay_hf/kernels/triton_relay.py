@@ -40,6 +40,8 @@ MAX_BLOCK_M = 64  # query rows per program; small batches use the smallest tl.do
 WIDE_M_WARPS = 8  # warps for programs of 128 query rows (a 128 x D fp32 accumulator)
 SPLIT_WAVES = 2  # aim for this many programs per SM in the prefix pass
 PARTIAL_BUDGET = 4  # keep fp32 partial traffic <= 1/PARTIAL_BUDGET of the prefix bytes
+MAX_SPLITS = 32  # bounds the unrolled merge in the suffix kernel
+UNROLL_MERGE = True  # fold the prefix partials with an unrolled (static) loop rather than a runtime one
 
 
 def triton_available() -> bool:
@@ -69,7 +71,7 @@ def plan_splits(P: int, N: int, H_kv: int, block_m: int, block_n: int, num_sms: 
     n_tiles = triton.cdiv(P, block_n)
     want = triton.cdiv(SPLIT_WAVES * num_sms, H_kv * triton.cdiv(N, block_m))
     cap = max(1, P // (PARTIAL_BUDGET * N))
-    splits = max(1, min(n_tiles, want, cap))
+    splits = max(1, min(n_tiles, want, cap, MAX_SPLITS))
     per = triton.cdiv(n_tiles, splits)
     return triton.cdiv(n_tiles, per), per
 
@@ -100,6 +102,16 @@ if triton is not None:
         if IEEE:
             return tl.dot(q, k, input_precision="ieee") * scale_log2
         return tl.dot(q, k) * scale_log2
+
+    @triton.jit
+    def _fold_partial(m, l, acc, PLSE, PO, base, live, d, d_ok, D):
+        """Fold one prefix partial (normalised out, natural-log LSE) into the running (m, l, acc) by LSE."""
+        x = tl.load(PLSE + base, mask=live, other=float("-inf")) * 1.4426950408889634
+        o_p = tl.load(PO + base[:, None] * D + d[None, :], mask=live[:, None] & d_ok[None, :], other=0.0)
+        m_new = tl.maximum(m, x)
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha, beta = tl.exp2(m - m_safe), tl.exp2(x - m_safe)
+        return m_new, l * alpha + beta, acc * alpha[:, None] + o_p * beta[:, None]
 
     @triton.jit
     def _prefix_kernel(Q, K, V, PO, PLSE,
@@ -145,7 +157,7 @@ if triton is not None:
                              N, L_q, L_s, num_splits, scale_log2, G, D,
                              HAS_LENS: tl.constexpr, HAS_PREFIX: tl.constexpr,
                              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-                             IEEE: tl.constexpr, DOT_F32: tl.constexpr):
+                             IEEE: tl.constexpr, DOT_F32: tl.constexpr, MERGE_UNROLL: tl.constexpr):
         pid_m, h, b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         # -- phase 1: this row's queries, group folded in: r = g * L_q + i
         r = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -176,16 +188,15 @@ if triton is not None:
         # -- phase 3: fold in the prefix partials by LSE (a partial with log2-LSE x counts as l=2^x, acc=o*2^x)
         if HAS_PREFIX:
             n = b * G * L_q + r
-            for sp in range(num_splits):
-                base = (sp * tl.num_programs(1) + h) * N + n
-                x = tl.load(PLSE + base, mask=r_ok, other=float("-inf")) * 1.4426950408889634
-                o_p = tl.load(PO + base[:, None] * D + d[None, :], mask=r_ok[:, None] & d_ok[None, :], other=0.0)
-                m_new = tl.maximum(m, x)
-                m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-                alpha, beta = tl.exp2(m - m_safe), tl.exp2(x - m_safe)
-                l = l * alpha + beta
-                acc = acc * alpha[:, None] + o_p * beta[:, None]
-                m = m_new
+            if MERGE_UNROLL > 0:  # unrolled: every split's loads can be in flight at once
+                for sp in tl.static_range(MERGE_UNROLL):
+                    live = r_ok & ((r * 0 + sp) < num_splits)
+                    base = (sp * tl.num_programs(1) + h) * N + n
+                    m, l, acc = _fold_partial(m, l, acc, PLSE, PO, base, live, d, d_ok, D)
+            else:
+                for sp in range(num_splits):
+                    base = (sp * tl.num_programs(1) + h) * N + n
+                    m, l, acc = _fold_partial(m, l, acc, PLSE, PO, base, r_ok, d, d_ok, D)
         out = acc / tl.where(l == 0.0, 1.0, l)[:, None]
         tl.store(O + b * so_b + (h * G + g)[:, None] * so_h + i[:, None] * so_l + d[None, :] * so_d,
                  out.to(O.dtype.element_ty), mask=r_ok[:, None] & d_ok[None, :])
@@ -235,6 +246,7 @@ def relay_attention_triton(query: torch.Tensor, prefix_key: torch.Tensor, prefix
         N, L_q, L_s, splits, scale_log2, G, D,
         HAS_LENS=suffix_lengths is not None, HAS_PREFIX=P > 0,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d, IEEE=ieee, DOT_F32=dot_f32,
+        MERGE_UNROLL=triton.next_power_of_2(splits) if UNROLL_MERGE and splits else 0,
         num_warps=warps, num_stages=stages)
     return out
 

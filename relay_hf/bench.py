@@ -24,7 +24,7 @@ from .kernels.triton_relay import bytes_moved, relay_attention_triton
 # Tile/split variants `kernel --tune` times before the sweep; the fastest is used and printed.
 VARIANTS = {
     "m64": dict(MAX_BLOCK_M=64),
-    "m64_loop_merge": dict(MAX_BLOCK_M=64, UNROLL_MERGE=False),
+    "m64_unrolled_merge": dict(MAX_BLOCK_M=64, UNROLL_MERGE=True),
     "m64_more_splits": dict(MAX_BLOCK_M=64, SPLIT_WAVES=4, PARTIAL_BUDGET=2),
     "m64_sfx128": dict(MAX_BLOCK_M=64, SUFFIX_TILES={64: (128, 4, 2), 128: (128, 4, 2), 256: (32, 8, 2)}),
     "m64_sfx32": dict(MAX_BLOCK_M=64, SUFFIX_TILES={64: (32, 4, 2), 128: (32, 4, 2), 256: (32, 8, 2)}),

@@ -41,7 +41,7 @@ WIDE_M_WARPS = 8  # warps for programs of 128 query rows (a 128 x D fp32 accumul
 SPLIT_WAVES = 2  # aim for this many programs per SM in the prefix pass
 PARTIAL_BUDGET = 4  # keep fp32 partial traffic <= 1/PARTIAL_BUDGET of the prefix bytes
 MAX_SPLITS = 32  # bounds the unrolled merge in the suffix kernel
-UNROLL_MERGE = True  # fold the prefix partials with an unrolled (static) loop rather than a runtime one
+UNROLL_MERGE = False  # True: fold prefix partials in an unrolled loop (measured slower at B <= 8, docs/performance.md)
 
 
 def triton_available() -> bool:

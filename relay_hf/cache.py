@@ -44,10 +44,39 @@ class RelayLayer(CacheLayerMixin):
     is_sliding = False
     is_croppable = True
 
+    # The suffix lives in buffers [B, H_kv, capacity, D] that grow geometrically (or are sized up front by
+    # ``reserve``), so a decode step writes its token in place instead of copying the whole suffix (torch.cat).
+    GROWTH = 2
+    MIN_CAPACITY = 16
+
     def __init__(self, prefix_keys: torch.Tensor | None = None, prefix_values: torch.Tensor | None = None):
+        self._kbuf = self._vbuf = None  # suffix buffers [B, H_kv, capacity, D]
+        self._len = 0  # valid suffix positions in the buffers
+        self._reserve = 0  # capacity to allocate on first append
         super().__init__()
         self.prefix_keys = prefix_keys  # [1, H_kv, P, D] or None before the prefix is set
         self.prefix_values = prefix_values
+
+    @property
+    def keys(self) -> torch.Tensor | None:
+        """The valid suffix keys ``[B, H_kv, L_s, D]``: a view of the buffer, no copy."""
+        return None if self._kbuf is None else self._kbuf[:, :, :self._len]
+
+    @keys.setter
+    def keys(self, value: torch.Tensor | None) -> None:
+        self._kbuf, self._len = value, 0 if value is None else value.shape[-2]
+
+    @property
+    def values(self) -> torch.Tensor | None:
+        return None if self._vbuf is None else self._vbuf[:, :, :self._len]
+
+    @values.setter
+    def values(self, value: torch.Tensor | None) -> None:
+        self._vbuf = value
+
+    @property
+    def capacity(self) -> int:
+        return 0 if self._kbuf is None else self._kbuf.shape[-2]
 
     @property
     def prefix_length(self) -> int:
@@ -55,20 +84,37 @@ class RelayLayer(CacheLayerMixin):
 
     @property
     def suffix_length(self) -> int:
-        return 0 if self.keys is None else self.keys.shape[-2]
+        return self._len if self._kbuf is not None else 0
+
+    def reserve(self, tokens: int) -> None:
+        """Size the suffix buffers for ``tokens`` positions at their first allocation (e.g. prompt + max_new)."""
+        self._reserve = max(self._reserve, tokens)
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         self.device, self.dtype = key_states.device, key_states.dtype
-        self.keys = key_states[..., :0, :]
-        self.values = value_states[..., :0, :]
         self.is_initialized = True
 
+    def _grow(self, like: torch.Tensor, needed: int) -> None:
+        B, H, _, D = like.shape
+        cap = max(needed, self._reserve, self.MIN_CAPACITY, self.GROWTH * self.capacity)
+        kbuf, vbuf = like.new_empty(B, H, cap, D), like.new_empty(B, H, cap, D)
+        if self._len:
+            kbuf[:, :, :self._len] = self._kbuf[:, :, :self._len]
+            vbuf[:, :, :self._len] = self._vbuf[:, :, :self._len]
+        self._kbuf, self._vbuf = kbuf, vbuf
+
     def append(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
-        """Add ``[B, H_kv, L_new, D]`` new suffix states."""
+        """Write ``[B, H_kv, L_new, D]`` new suffix states after the valid ones."""
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
-        self.keys = torch.cat([self.keys, key_states], dim=-2)
-        self.values = torch.cat([self.values, value_states], dim=-2)
+        end = self._len + key_states.shape[-2]
+        if self._kbuf is None or end > self.capacity:
+            self._grow(key_states, end)
+        elif self._kbuf.shape[0] != key_states.shape[0]:
+            raise ValueError(f"suffix holds {self._kbuf.shape[0]} rows, got states for {key_states.shape[0]}")
+        self._kbuf[:, :, self._len:end] = key_states
+        self._vbuf[:, :, self._len:end] = value_states
+        self._len = end
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, relay: bool = True, **kwargs):
         self.append(key_states, value_states)
@@ -93,13 +139,14 @@ class RelayLayer(CacheLayerMixin):
         return -1
 
     def reset(self) -> None:
-        self.keys = self.values = None
+        self._kbuf = self._vbuf = None
+        self._len = 0
         self.is_initialized = False
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         if self.suffix_length:
-            self.keys = self.keys.index_select(0, beam_idx.to(self.keys.device))
-            self.values = self.values.index_select(0, beam_idx.to(self.values.device))
+            self._kbuf = self._kbuf.index_select(0, beam_idx.to(self._kbuf.device))
+            self._vbuf = self._vbuf.index_select(0, beam_idx.to(self._vbuf.device))
 
     def crop(self, tokens_to_remove: int) -> None:
         if tokens_to_remove > 0:
@@ -107,19 +154,16 @@ class RelayLayer(CacheLayerMixin):
         if -tokens_to_remove > self.suffix_length:
             raise ValueError(f"cannot crop {-tokens_to_remove} tokens: only {self.suffix_length} suffix tokens are "
                              f"cached and the shared prefix ({self.prefix_length} tokens) is never cropped")
-        if tokens_to_remove:
-            self.keys = self.keys[..., :tokens_to_remove, :]
-            self.values = self.values[..., :tokens_to_remove, :]
+        self._len += tokens_to_remove
 
     def batch_repeat_interleave(self, repeats: int) -> None:
         if self.suffix_length:
-            self.keys = self.keys.repeat_interleave(repeats, dim=0)
-            self.values = self.values.repeat_interleave(repeats, dim=0)
+            self._kbuf = self._kbuf.repeat_interleave(repeats, dim=0)
+            self._vbuf = self._vbuf.repeat_interleave(repeats, dim=0)
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:
         if self.suffix_length:
-            self.keys = self.keys[indices, ...]
-            self.values = self.values[indices, ...]
+            self._kbuf, self._vbuf = self._kbuf[indices, ...], self._vbuf[indices, ...]
 
 
 class RelayCache(Cache):
@@ -172,6 +216,11 @@ class RelayCache(Cache):
         model.base_model(input_ids=ids[None], use_cache=True, **{cache_kwarg_name(model): scratch})
         kv = [(layer.keys, layer.values) for layer in scratch.layers]
         return cls(model.config, kv, prefix_ids=ids)
+
+    def reserve(self, tokens: int) -> None:
+        """Size every layer's suffix buffers for ``tokens`` positions when they are first allocated."""
+        for layer in self.layers:
+            layer.reserve(tokens)
 
     def fork(self) -> RelayCache:
         """A new cache sharing this one's prefix tensors (no copy) with an empty suffix."""

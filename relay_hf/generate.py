@@ -177,7 +177,7 @@ def _plan(model, call: dict) -> dict:
         warnings.warn(f"relay_hf: up to {total} tokens exceed the sliding window ({window}); this call runs stock "
                       "attention", RelayFallbackWarning, stacklevel=3)
         raise _Stock(f"sequence length {total} exceeds the sliding window {window}")
-    return dict(ids=ids, mask=mask, n_pad=n_pad, P=P, T=T, rows=rows, user_cache=user_cache)
+    return dict(ids=ids, mask=mask, n_pad=n_pad, P=P, T=T, total=total, rows=rows, user_cache=user_cache)
 
 
 def _sliding_window(config) -> int | None:
@@ -206,6 +206,7 @@ def _run_relay(model, stock, call: dict, plan: dict):
         cache = plan["user_cache"].fork()
     else:
         cache = RelayCache.from_prefix(model, ids[0, int(n_pad[0]):int(n_pad[0]) + P])
+    cache.reserve(plan["total"] - P)  # suffix buffers sized once: prompt after the prefix + max new tokens
     call = {k: v for k, v in call.items() if k not in ("inputs", "input_ids", *_CACHE_NAMES)}
     call["attention_mask"] = mask.gather(1, perm)
     call[cache_kwarg_name(model)] = cache

@@ -69,3 +69,43 @@ def test_relay_cache_forward_on_patched_model_matches(model):
         finally:
             relay_hf.unpatch(model)
     assert torch.allclose(full, tail, atol=1e-5)
+
+
+def test_decode_writes_in_place_and_grows_geometrically():
+    lay = relay_hf.RelayLayer(torch.randn(1, 2, 5, 8), torch.randn(1, 2, 5, 8))
+    lay.reserve(20)
+    lay.append(torch.randn(3, 2, 6, 8), torch.randn(3, 2, 6, 8))
+    ptr, cap = lay._kbuf.data_ptr(), lay.capacity
+    assert cap == 20
+    steps = [torch.randn(3, 2, 1, 8) for _ in range(14)]
+    for k in steps:
+        lay.append(k, -k)
+    assert lay._kbuf.data_ptr() == ptr and lay.suffix_length == 20  # 14 decode steps, no reallocation
+    lay.append(torch.randn(3, 2, 1, 8), torch.randn(3, 2, 1, 8))
+    assert lay.capacity == 40 and lay.suffix_length == 21  # doubled once, contents kept
+    assert torch.equal(lay.keys[:, :, 6:20], torch.cat(steps, 2)) and torch.equal(lay.values[:, :, 6:20],
+                                                                                   -torch.cat(steps, 2))
+
+
+def _rss_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * 4096
+
+
+def test_200_generate_calls_keep_memory_flat():
+    import gc
+
+    model = relay_hf.patch(tiny_model("llama"), min_prefix_length=8)
+    ids, mask, _ = shared_prefix_batch(seed=9)
+
+    def run(n):
+        for _ in range(n):
+            model.generate(ids, attention_mask=mask, max_new_tokens=4, do_sample=False)
+        assert model.relay_last_decision.used
+        gc.collect()
+        return _rss_bytes(), sum(isinstance(o, torch.Tensor) for o in gc.get_objects())
+
+    rss0, tensors0 = run(20)  # warm-up: allocator pools, lazy imports
+    rss1, tensors1 = run(200)
+    assert tensors1 <= tensors0, f"{tensors1 - tensors0} tensors leaked over 200 calls"
+    assert rss1 - rss0 < 32 * 2**20, f"RSS grew by {(rss1 - rss0) / 2**20:.1f} MiB over 200 calls"

@@ -6,17 +6,8 @@ import transformers
 from transformers.generation.streamers import BaseStreamer
 
 import relay_hf
+from examples.chat_batch import QUESTIONS  # the demo's 8 questions
 
-QUESTIONS = [
-    "How long does the boiler take to heat up?",
-    "My shot ran in 15 seconds. What should I change?",
-    "Can I descale with vinegar?",
-    "What does a blinking red ring light mean?",
-    "How often should I replace the water filter?",
-    "How do I backflush the group head?",
-    "Is the warranty longer if I register the machine?",
-    "What grind setting should I start with for a double shot?",
-]
 GEN = dict(max_new_tokens=16, do_sample=False)
 pytestmark = pytest.mark.slow
 

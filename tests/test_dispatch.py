@@ -1,0 +1,19 @@
+"""The one dispatch rule: relay vs the plain path."""
+
+import torch
+
+from relay_hf.dispatch import CUDA_MIN_SHARED_TOKENS, relay_pays
+
+CPU, CUDA = torch.device("cpu"), torch.device("cuda")
+
+
+def test_single_row_and_short_prefix_go_plain():
+    assert "single row" in relay_pays(1, 4096, CPU, 32)
+    assert "min_prefix_length" in relay_pays(8, 16, CPU, 32)
+    assert relay_pays(2, 32, CPU, 32) is None
+
+
+def test_cuda_needs_enough_shared_tokens():
+    assert relay_pays(8, 1024, CUDA, 32) is not None  # measured: SDPA faster
+    assert relay_pays(32, 512, CUDA, 32) is None  # measured: relay 1.45x
+    assert relay_pays(4, CUDA_MIN_SHARED_TOKENS // 4, CUDA, 32) is None

@@ -40,8 +40,6 @@ def unsupported_reason(model) -> str | None:
     text = config.get_text_config(decoder=True)
     if getattr(config, "is_encoder_decoder", False):
         return "encoder-decoder models are not supported"
-    if not getattr(model, "_supports_attention_backend", False) or not model._can_set_attn_implementation():
-        return f"{type(model).__name__} does not route attention through transformers' AttentionInterface"
     if getattr(text, "attn_logit_softcapping", None) is not None:
         return "attention logit softcapping is not implemented by relay attention"
     if getattr(text, "alibi", False) or getattr(text, "position_embedding_type", None) == "alibi":
@@ -50,6 +48,8 @@ def unsupported_reason(model) -> str | None:
         return "attention sinks are not implemented by relay attention"
     if getattr(text, "attention_chunk_size", None) is not None:
         return "chunked attention is not implemented by relay attention"
+    if not getattr(model, "_supports_attention_backend", False) or not model._can_set_attn_implementation():
+        return f"{type(model).__name__} does not route attention through transformers' AttentionInterface"
     layer_types = set(getattr(text, "layer_types", None) or ["full_attention"])
     if not layer_types <= _SUPPORTED_LAYER_TYPES:
         return f"layer types {sorted(layer_types - _SUPPORTED_LAYER_TYPES)} are not supported by relay attention"

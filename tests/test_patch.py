@@ -220,6 +220,26 @@ def test_softcapping_model_falls_back_at_patch_time():
     assert not model.relay_last_decision.used and "softcapping" in model.relay_last_decision.reason
 
 
+@pytest.mark.parametrize("cls,kwargs,reason", [
+    ("GptOssConfig", dict(hidden_size=64, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2,
+                          head_dim=16, num_local_experts=2, num_experts_per_tok=1), "sinks"),
+    ("FalconConfig", dict(hidden_size=64, num_attention_heads=4, alibi=True), "ALiBi"),
+    ("BloomConfig", dict(hidden_size=64, n_head=4), "AttentionInterface"),
+])
+def test_sinks_alibi_and_foreign_attention_fall_back(cls, kwargs, reason):
+    import transformers
+
+    config = getattr(transformers, cls)(vocab_size=256, num_hidden_layers=2, pad_token_id=0, **kwargs)
+    model = transformers.AutoModelForCausalLM.from_config(config).eval()
+    attn = model.config._attn_implementation
+    with pytest.warns(relay_hf.RelayFallbackWarning, match=reason):
+        relay_hf.patch(model)
+    assert model.config._attn_implementation == attn
+    ids, mask, _ = shared_prefix_batch()
+    model.generate(ids, attention_mask=mask, max_new_tokens=2, do_sample=False)
+    assert not model.relay_last_decision.used and reason in model.relay_last_decision.reason
+
+
 def test_bad_cache_raises_and_model_stays_usable():
     model = relay_hf.patch(tiny_model("llama"), min_prefix_length=8)
     ids, mask, prefix = shared_prefix_batch(seed=8)

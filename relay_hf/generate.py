@@ -57,18 +57,19 @@ class RelayDecision:
 
 
 class _StockView:
-    """Shows a user's logits processor or stopping criterion the ids in stock layout."""
+    """Shows a user's stopping criterion the ids in stock layout."""
 
-    def __init__(self, inner, inv: torch.Tensor, criterion: bool):
-        self.inner, self.inv, self.criterion = inner, inv, criterion
+    def __init__(self, inner, inv: torch.Tensor):
+        self.inner, self.inv = inner, inv
 
     def __call__(self, input_ids, scores, **kwargs):
-        ids = to_stock_layout(input_ids, self.inv)
-        return self.inner(ids, scores, **kwargs) if self.criterion else self.inner(ids, scores)
+        return self.inner(to_stock_layout(input_ids, self.inv), scores, **kwargs)
 
 
 class _ProcessorView(_StockView):
-    def __call__(self, input_ids, scores):  # LogitsProcessorList inspects the signature: exactly two arguments
+    """The same for a logits processor: ``LogitsProcessorList`` inspects the signature, so exactly two arguments."""
+
+    def __call__(self, input_ids, scores):
         return self.inner(to_stock_layout(input_ids, self.inv), scores)
 
 
@@ -191,9 +192,9 @@ def _sliding_window(config) -> int | None:
 def _wrap_user_hooks(call: dict, inv: torch.Tensor) -> None:
     """Let user processors, criteria and streamers see stock-layout ids (built-in ones only look at the tail)."""
     if call.get("logits_processor"):
-        call["logits_processor"] = LogitsProcessorList(_ProcessorView(p, inv, False) for p in call["logits_processor"])
+        call["logits_processor"] = LogitsProcessorList(_ProcessorView(p, inv) for p in call["logits_processor"])
     if call.get("stopping_criteria"):
-        call["stopping_criteria"] = StoppingCriteriaList(_StockView(c, inv, True) for c in call["stopping_criteria"])
+        call["stopping_criteria"] = StoppingCriteriaList(_StockView(c, inv) for c in call["stopping_criteria"])
     if call.get("streamer") is not None:
         call["streamer"] = _StreamerView(call["streamer"], inv)
 

@@ -125,6 +125,33 @@ def test_streamer_and_stopping_criteria_see_stock_layout():
     assert all(torch.equal(p, ids) for p in r_stop.prompts) and len(r_stop.prompts) == len(s_stop.prompts)
 
 
+def test_user_logits_processor_sees_stock_layout():
+    from transformers import LogitsProcessor
+
+    class BanFirstPromptToken(LogitsProcessor):
+        """Order-sensitive on purpose: reads column 0 of every row (a pad in stock layout, the prefix in relay's)."""
+
+        def __init__(self):
+            self.first_columns = []
+
+        def __call__(self, input_ids, scores):
+            self.first_columns.append(input_ids[:, 0].clone())
+            return scores.scatter(1, input_ids[:, :1], float("-inf"))
+
+    model = tiny_model("llama")
+    ids, mask, _ = shared_prefix_batch(seed=10)
+    outs, procs = [], []
+    for patched in (False, True):
+        if patched:
+            relay_hf.patch(model, min_prefix_length=8)
+        procs.append(BanFirstPromptToken())
+        outs.append(model.generate(ids, attention_mask=mask, max_new_tokens=5, do_sample=False,
+                                   logits_processor=[procs[-1]]))
+    assert model.relay_last_decision.used
+    assert torch.equal(outs[0], outs[1])
+    assert all(torch.equal(c, ids[:, 0]) for c in procs[1].first_columns)
+
+
 def test_user_relay_cache_is_reused_not_mutated():
     model = relay_hf.patch(tiny_model("llama"), min_prefix_length=8)
     ids, mask, prefix = shared_prefix_batch(seed=5)

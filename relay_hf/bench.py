@@ -16,6 +16,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
+from .bench_generate import add_generate_parser
 from .dispatch import relay_pays
 from .kernels import triton_relay
 from .kernels.reference import merge_partials
@@ -110,14 +111,15 @@ def kernel_case(S: int, B: int, H_q=32, H_kv=8, D=128, L_s=256, dtype=torch.bflo
     err = float((relay().float() - ref).norm() / ref.norm())
     t = {name: triton.testing.do_bench_cudagraph(fn, rep=50, return_mode="median")
          for name, fn in (("sdpa", sdpa), ("relay", relay), ("naive", naive))}
-    floor_ms = bytes_moved(B, H_q, H_kv, 1, S, L_s, D, q.element_size()) / bw * 1e3
+    nbytes = bytes_moved(B, H_q, H_kv, 1, S, L_s, D, q.element_size())
+    floor_ms = nbytes / bw * 1e3
     floor_std_ms = dtype.itemsize * 2 * B * H_kv * (S + L_s) * D / bw * 1e3
     dispatched = t["sdpa"] if relay_pays(B, S, q.device, 1) else t["relay"]
     return dict(S=S, B=B, sdpa_ms=t["sdpa"], naive_ms=t["naive"], relay_ms=t["relay"], dispatched_ms=dispatched,
                 floor_relay_ms=floor_ms,
                 floor_std_ms=floor_std_ms, speedup_vs_sdpa=t["sdpa"] / t["relay"],
                 speedup_vs_naive=t["naive"] / t["relay"], relay_over_floor=t["relay"] / floor_ms,
-                relay_GBps=bytes_moved(B, H_q, H_kv, 1, S, L_s, D, q.element_size()) / t["relay"] / 1e6, relerr=err)
+                relay_GBps=nbytes / t["relay"] / 1e6, relerr=err)
 
 
 def write_outputs(rows: list[dict], out: Path, name: str) -> None:
@@ -179,12 +181,7 @@ def main(argv=None) -> None:
     k.add_argument("--out", type=Path, default=Path("bench_out"))
     k.add_argument("--tune", action="store_true", help="time the tile/split VARIANTS first and use the fastest")
     k.set_defaults(func=run_kernel)
-    try:
-        from .bench_generate import add_generate_parser
-    except ImportError:
-        add_generate_parser = None
-    if add_generate_parser is not None:
-        add_generate_parser(sub)
+    add_generate_parser(sub)
     args = parser.parse_args(argv)
     args.func(args)
 

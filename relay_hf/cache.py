@@ -84,7 +84,7 @@ class RelayLayer(CacheLayerMixin):
 
     @property
     def suffix_length(self) -> int:
-        return self._len if self._kbuf is not None else 0
+        return self._len
 
     def reserve(self, tokens: int) -> None:
         """Size the suffix buffers for ``tokens`` positions at their first allocation (e.g. prompt + max_new)."""

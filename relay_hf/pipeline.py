@@ -25,7 +25,7 @@ from transformers.pipelines import PIPELINE_REGISTRY
 from ._compat import cache_kwarg_name
 from .cache import RelayCache
 from .patch import is_patched, patch
-from .prefix import first_mismatch, left_padding
+from .prefix import common_prefix_length, first_mismatch, left_padding
 
 TASK = "relay-text-generation"
 # two user turns that differ from their first character, to find where the rendered conversations diverge
@@ -81,11 +81,11 @@ class RelayTextGenerationPipeline(TextGenerationPipeline):
         rendered = [self.tokenizer.apply_chat_template(
             [{"role": "system", "content": self._system_prompt}, {"role": "user", "content": probe}],
             tokenize=True, add_generation_prompt=True, return_dict=True)["input_ids"] for probe in _PROBES]
-        a, b = (torch.as_tensor(r).flatten() for r in rendered)
-        n = min(len(a), len(b))
-        same = (a[:n] == b[:n]).int()
-        P = int(n if bool(same.all()) else int((1 - same).argmax()))
-        return a[:P] if P > 0 else None
+        rows = [torch.as_tensor(r).flatten() for r in rendered]
+        T = max(len(r) for r in rows)
+        ids = torch.stack([torch.nn.functional.pad(r, (T - len(r), 0)) for r in rows])  # left-padded
+        P = common_prefix_length(ids, torch.tensor([T - len(r) for r in rows]))
+        return rows[0][:P] if P > 0 else None
 
     def prefix_cache(self) -> RelayCache | None:
         """The ``RelayCache`` of the system prompt, prefilled on first use."""

@@ -5,7 +5,7 @@ exactly (no retraining, no quality change). See README.md and docs/.
 """
 
 from .attention import RelayMask, relay_attention_forward, relay_mask
-from .cache import ATTN_NAME, RelayCache, RelayKV, RelayLayer
+from .cache import ATTN_NAME, STATIC_ATTN_NAME, RelayCache, RelayKV, RelayLayer, StaticRelayLayer
 from .generate import RelayDecision, RelayFallbackWarning
 from .kernels import relay_attention, relay_attention_torch
 from .patch import is_patched, patch, unpatch, unsupported_reason
@@ -14,7 +14,8 @@ from .pipeline import RelayTextGenerationPipeline, pipeline
 __version__ = "0.1.0"
 
 __all__ = [
-    "ATTN_NAME", "RelayCache", "RelayDecision", "RelayFallbackWarning", "RelayKV", "RelayLayer", "RelayMask",
-    "RelayTextGenerationPipeline", "is_patched", "patch", "pipeline", "relay_attention", "relay_attention_forward",
-    "relay_attention_torch", "relay_mask", "unpatch", "unsupported_reason",
+    "ATTN_NAME", "STATIC_ATTN_NAME", "RelayCache", "RelayDecision", "RelayFallbackWarning", "RelayKV", "RelayLayer",
+    "RelayMask", "RelayTextGenerationPipeline", "StaticRelayLayer", "is_patched", "patch", "pipeline",
+    "relay_attention", "relay_attention_forward", "relay_attention_torch", "relay_mask", "unpatch",
+    "unsupported_reason",
 ]

@@ -6,6 +6,9 @@
 * ``relay_attention_forward`` (``AttentionInterface``) runs relay attention when the cache handed it
   ``RelayKV(prefix, suffix)`` pairs, and is exactly ``sdpa_attention_forward`` otherwise (no cache, a
   ``DynamicCache``, a ``RelayCache`` without a prefix).
+* ``"relay_static"`` is the same attention function with NO mask function: with a static (compileable)
+  ``RelayCache`` the keys carry each row's filled extent on the device, so transformers builds no mask at all and the
+  compiled decode step stays free of mask work. ``patch`` switches to it only for calls that use a static cache.
 """
 
 from __future__ import annotations
@@ -17,7 +20,7 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, causal_mask_function, sdpa_mask
 
-from .cache import ATTN_NAME, RelayKV
+from .cache import ATTN_NAME, STATIC_ATTN_NAME, RelayKV
 from .kernels import relay_attention
 
 
@@ -82,16 +85,21 @@ def relay_attention_forward(module: torch.nn.Module, query: torch.Tensor, key, v
         return sdpa_attention_forward(module, query, key, value, dense, dropout=dropout, scaling=scaling,
                                       sliding_window=sliding_window, **kwargs)
     _check_relay_call(module, key, attention_mask, dropout, sliding_window, kwargs)
-    suffix_lengths = attention_mask.suffix_lengths if attention_mask is not None else None
+    if key.end is not None:  # static cache: extents travel with the keys
+        suffix_lengths = key.lengths
+    else:
+        suffix_lengths = attention_mask.suffix_lengths if attention_mask is not None else None
     out = relay_attention(query, key.prefix, value.prefix, key.suffix, value.suffix, scale=scaling,
-                          suffix_lengths=suffix_lengths)  # [B, H_q, L_q, D]
+                          suffix_lengths=suffix_lengths, suffix_end=key.end)  # [B, H_q, L_q, D]
     return out.transpose(1, 2).contiguous(), None
 
 
 def register() -> None:
-    """Register ``"relay"`` with transformers' attention and mask interfaces (idempotent)."""
+    """Register ``"relay"`` with transformers' attention and mask interfaces, ``"relay_static"`` with the attention
+    interface only (idempotent)."""
     AttentionInterface.register(ATTN_NAME, relay_attention_forward)
     AttentionMaskInterface.register(ATTN_NAME, relay_mask)
+    AttentionInterface.register(STATIC_ATTN_NAME, relay_attention_forward)
 
 
 register()

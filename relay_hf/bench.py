@@ -24,13 +24,15 @@ from .kernels.triton_relay import bytes_moved, relay_attention_triton
 
 # Tile/split variants `kernel --tune` times before the sweep; the fastest is used and printed.
 VARIANTS = {
-    "m64": dict(MAX_BLOCK_M=64),
-    "m64_unrolled_merge": dict(MAX_BLOCK_M=64, UNROLL_MERGE=True),
-    "m64_more_splits": dict(MAX_BLOCK_M=64, SPLIT_WAVES=4, PARTIAL_BUDGET=2),
-    "m64_sfx128": dict(MAX_BLOCK_M=64, SUFFIX_TILES={64: (128, 4, 2), 128: (128, 4, 2), 256: (32, 8, 2)}),
-    "m64_sfx32": dict(MAX_BLOCK_M=64, SUFFIX_TILES={64: (32, 4, 2), 128: (32, 4, 2), 256: (32, 8, 2)}),
-    "m128": dict(MAX_BLOCK_M=128),
-    "m64_stages2": dict(MAX_BLOCK_M=64, PREFIX_TILES={64: (64, 4, 2), 128: (64, 4, 2), 256: (32, 8, 2)}),
+    "default": {},
+    "prefix_waves1": dict(SPLIT_WAVES=1),
+    "prefix_waves4": dict(SPLIT_WAVES=4, PARTIAL_BUDGET=2),
+    "suffix_waves2": dict(SUFFIX_WAVES=2),
+    "stages2": dict(TILES={64: (64, 4, 2), 128: (64, 4, 2), 256: (32, 8, 2)}),
+    "n128_w8": dict(TILES={64: (128, 8, 2), 128: (128, 8, 2), 256: (64, 8, 2)}),
+    "n32": dict(TILES={64: (32, 4, 3), 128: (32, 4, 3), 256: (32, 8, 2)}),
+    "merge16x4": dict(MERGE_TILE=(16, 4)),
+    "merge4x1": dict(MERGE_TILE=(4, 1)),
 }
 TUNE_CASES = [(4096, 32), (16384, 32), (4096, 128), (1024, 8)]
 

@@ -2,7 +2,17 @@
 
 Workload (same as ``shared/anchors/h200_stock_hf_e2e.json``): a system prompt of S tokens + a 64-token user prompt
 per row, B rows, greedy. Per mode: time to first token (TTFT, prefill included), median decode step (timed per token
-through a streamer), generated tok/s, peak memory.
+through a streamer), generated tok/s, peak memory. Modes:
+
+* ``stock``: plain ``generate`` (DynamicCache, eager).
+* ``prefix_reuse``: the documented transformers recipe: the system prompt prefilled once into a DynamicCache
+  (not timed), then per call a deepcopy expanded to the batch (timed) and ``generate``.
+* ``static``: ``cache_implementation="static"``: transformers' compiled decode path (``--compile-backend``).
+* ``relay``: ``relay_hf.patch``, eager.
+* ``relay_compiled``: ``relay_hf.patch`` + ``cache_implementation="static"``: a static RelayCache on transformers'
+  compiled decode path.
+
+Each point runs one warm-up call (compilation, CUDA-graph recording, allocator) before the timed call.
 """
 
 from __future__ import annotations
@@ -55,42 +65,81 @@ class _Clock(BaseStreamer):
         pass
 
 
-def _clocked(model, ids, new_tokens: int) -> tuple[float, float]:
-    """(time to first token in s, median decode step in s) of one greedy generate call."""
+MODES = ("stock", "prefix_reuse", "static", "relay", "relay_compiled")
+
+
+def compile_config(backend: str):
+    from transformers import CompileConfig
+
+    return CompileConfig(fullgraph=True, backend=backend, mode="reduce-overhead" if backend == "inductor" else None)
+
+
+def _clocked(model, ids, new_tokens: int, make_kwargs) -> tuple[float, float]:
+    """(time to first token in s, median decode step in s) of one greedy generate call; ``make_kwargs()`` runs inside
+    the timed region (the prefix-reuse copy belongs to the call)."""
     clock = _Clock()
     start = time.perf_counter()
     model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens, min_new_tokens=new_tokens,
-                   do_sample=False, streamer=clock)
+                   do_sample=False, streamer=clock, **make_kwargs())
     steps = [b - a for a, b in zip(clock.times[1:], clock.times[2:])]
     return clock.times[1] - start, statistics.median(steps)
 
 
-def generate_case(model, mode: str, S: int, B: int, user: int = 64, new_tokens: int = 24) -> dict:
-    """One (mode, S, B) point. ``mode`` is ``stock`` or ``relay``."""
+def _mode_kwargs(model, mode: str, system: torch.Tensor, B: int, backend: str):
+    """A function giving ``generate``'s extra kwargs for ``mode`` (patching / unpatching ``model`` as needed)."""
+    import copy
+
+    from transformers import DynamicCache
+
     import relay_hf
 
+    from ._compat import cache_kwarg_name
+
+    relay_hf.unpatch(model)
+    if mode.startswith("relay"):
+        relay_hf.patch(model, min_prefix_length=1)
+    if mode in ("static", "relay_compiled"):
+        return lambda: dict(cache_implementation="static", compile_config=compile_config(backend))
+    if mode == "prefix_reuse":
+        name = cache_kwarg_name(model)
+        prefilled = DynamicCache()
+        with torch.no_grad():
+            model(input_ids=system, use_cache=True, **{name: prefilled})
+
+        def reuse():
+            cache = copy.deepcopy(prefilled)
+            cache.batch_repeat_interleave(B)
+            return {name: cache}
+
+        return reuse
+    return dict
+
+
+def generate_case(model, mode: str, S: int, B: int, user: int = 64, new_tokens: int = 24,
+                  backend: str = "inductor") -> dict:
+    """One (mode, S, B) point; ``mode`` is one of ``MODES``."""
     g = torch.Generator().manual_seed(S * 131 + B)
     system = torch.randint(10, model.config.vocab_size, (1, S), generator=g)
     ids = torch.cat([system.expand(B, -1), torch.randint(10, model.config.vocab_size, (B, user), generator=g)], 1)
-    ids = ids.to(model.device)
-    relay_hf.unpatch(model)
-    if mode == "relay":
-        relay_hf.patch(model, min_prefix_length=1)
+    ids, system = ids.to(model.device), system.to(model.device)
     cuda = ids.is_cuda
     if cuda:
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
     row = dict(mode=mode, S=S, B=B)
     try:
+        make_kwargs = _mode_kwargs(model, mode, system, B, backend)
         with torch.no_grad():
-            _clocked(model, ids, 3)  # warm-up (kernels, allocator)
-            ttft, step = _clocked(model, ids, new_tokens)
+            start = time.perf_counter()
+            _clocked(model, ids, 3, make_kwargs)  # warm-up (compilation, CUDA graphs, allocator)
+            warmup = time.perf_counter() - start
+            ttft, step = _clocked(model, ids, new_tokens, make_kwargs)
     except torch.OutOfMemoryError:
         return dict(row, ttft_s=float("nan"), step_ms=float("nan"), tok_per_s=float("nan"), peak_GiB=float("inf"),
-                    relay_used=False)
+                    warmup_s=float("nan"), relay_used=False)
     decision = getattr(model, "relay_last_decision", None)
     return dict(row, ttft_s=ttft, step_ms=step * 1e3, tok_per_s=B / step,
-                peak_GiB=torch.cuda.max_memory_allocated() / 2**30 if cuda else float("nan"),
+                peak_GiB=torch.cuda.max_memory_allocated() / 2**30 if cuda else float("nan"), warmup_s=warmup,
                 relay_used=bool(decision and decision.used))
 
 
@@ -105,7 +154,7 @@ def plot_generate(rows: list[dict], path: Path) -> None:
                                               key=lambda r: (r["mode"], r["B"])):
         group = list(group)
         ax.plot([r["S"] for r in group], [r["tok_per_s"] for r in group], marker="o",
-                linestyle="-" if mode == "relay" else "--", label=f"{mode} B={B}")
+                linestyle="-" if mode.startswith("relay") else "--", label=f"{mode} B={B}")
     ax.set(xscale="log", yscale="log", xlabel="system prompt length S", ylabel="generated tok/s",
            title="decode throughput")
     ax.grid(True, which="both", alpha=0.3)
@@ -121,8 +170,10 @@ def run_generate(args) -> None:
     dtype = getattr(torch, args.dtype)
     model = build_model(args.model_shape, device, dtype, max(args.prefix_len) + 256)
     grid = list(itertools.product(args.modes, args.prefix_len, args.batch))
-    rows = [generate_case(model, mode, S, B, new_tokens=args.new_tokens)
-            for mode, S, B in tqdm(grid, desc="generate")]
+    rows = []
+    for mode, S, B in (bar := tqdm(grid, desc="generate")):
+        bar.set_postfix_str(f"{mode} S={S} B={B}")
+        rows.append(generate_case(model, mode, S, B, new_tokens=args.new_tokens, backend=args.compile_backend))
     print_table(rows)
     name = f"generate_{args.model_shape}_{'_'.join(args.modes)}"
     write_outputs(rows, args.out, name)
@@ -130,11 +181,12 @@ def run_generate(args) -> None:
 
 
 def add_generate_parser(sub) -> None:
-    p = sub.add_parser("generate", help="end-to-end generate: stock vs relay on a random-init model")
+    p = sub.add_parser("generate", help="end-to-end generate: stock / prefix reuse / static vs relay (eager, compiled)")
     p.add_argument("--model-shape", choices=sorted(SHAPES), default="llama3-8b")
     p.add_argument("--prefix-len", type=int, nargs="+", default=[1024, 4096, 8192])
     p.add_argument("--batch", type=int, nargs="+", default=[1, 8, 32, 64])
-    p.add_argument("--modes", nargs="+", default=["stock", "relay"], choices=["stock", "relay"])
+    p.add_argument("--modes", nargs="+", default=["stock", "relay"], choices=MODES)
+    p.add_argument("--compile-backend", default="inductor", help="torch.compile backend of the compiled modes")
     p.add_argument("--new-tokens", type=int, default=24)
     p.add_argument("--device", default=None)
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])

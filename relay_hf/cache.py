@@ -21,17 +21,27 @@ from typing import NamedTuple
 
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin, DynamicCache
+from transformers.utils import is_torchdynamo_compiling
 
 from ._compat import cache_kwarg_name
 
 ATTN_NAME = "relay"
+STATIC_ATTN_NAME = "relay_static"  # relay attention without a mask function: a static cache carries its own extents
 
 
 class RelayKV(NamedTuple):
-    """Keys (or values) of one layer as two parts: ``prefix [1, H_kv, P, D]`` and ``suffix [B, H_kv, L_s, D]``."""
+    """Keys (or values) of one layer as two parts: ``prefix [1, H_kv, P, D]`` and ``suffix [B, H_kv, L_s, D]``.
+
+    A static cache also hands over where its preallocated suffix is filled, as device tensors (so a captured CUDA
+    graph replays correctly): ``end`` (0-d int64, filled positions) and ``lengths`` (``[B]`` int32, valid positions
+    ending at ``end``: the left padding excluded). Both are ``None`` for the dynamic cache, whose suffix is exactly
+    the filled part and whose padding comes from the attention mask.
+    """
 
     prefix: torch.Tensor
     suffix: torch.Tensor
+    lengths: torch.Tensor | None = None
+    end: torch.Tensor | None = None
 
 
 class RelayLayer(CacheLayerMixin):
@@ -166,6 +176,110 @@ class RelayLayer(CacheLayerMixin):
             self._kbuf, self._vbuf = self._kbuf[indices, ...], self._vbuf[indices, ...]
 
 
+class StaticRelayLayer(RelayLayer):
+    """A compileable ``RelayLayer``: the suffix buffers ``[B, H_kv, max_suffix_length, D]`` are allocated once (zeros)
+    and written in place at a position kept on the device, so ``torch.compile`` sees fixed shapes and a CUDA graph
+    can replay the decode step. The prefix is shared exactly as in ``RelayLayer``.
+
+    Where each row is filled travels with the keys (``RelayKV.lengths`` / ``RelayKV.end``), so attention needs no
+    mask. ``suffix_padding`` (``[B]`` int) is each row's left padding at the start of its suffix.
+    """
+
+    is_compileable = True
+    is_croppable = False
+
+    def __init__(self, prefix_keys: torch.Tensor, prefix_values: torch.Tensor, max_suffix_length: int,
+                 suffix_padding: torch.Tensor | None = None):
+        super().__init__(prefix_keys, prefix_values)
+        self.max_suffix_length = max_suffix_length
+        self.suffix_padding = suffix_padding
+        self._end = self._lengths = None  # 0-d int64 filled positions; [B] int32 valid positions ending there
+
+    @property
+    def keys(self) -> torch.Tensor | None:
+        """The whole suffix buffer ``[B, H_kv, max_suffix_length, D]`` (filled up to ``end``)."""
+        return self._kbuf
+
+    @keys.setter
+    def keys(self, value: torch.Tensor | None) -> None:
+        self._kbuf = value
+
+    @property
+    def values(self) -> torch.Tensor | None:
+        return self._vbuf
+
+    @values.setter
+    def values(self, value: torch.Tensor | None) -> None:
+        self._vbuf = value
+
+    @property
+    def suffix_length(self) -> int:
+        return 0 if self._end is None else int(self._end)
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        super().lazy_initialization(key_states, value_states)
+        B, H, _, D = key_states.shape
+        self._kbuf = key_states.new_zeros(B, H, self.max_suffix_length, D)
+        self._vbuf = value_states.new_zeros(B, H, self.max_suffix_length, D)
+        self._end = torch.zeros((), dtype=torch.int64, device=key_states.device)
+        pads = self.suffix_padding if self.suffix_padding is not None else torch.zeros(B, dtype=torch.int32)
+        if pads.shape != (B,):
+            raise ValueError(f"suffix_padding has shape {tuple(pads.shape)}, the batch has {B} rows")
+        self._lengths = -pads.to(device=key_states.device, dtype=torch.int32)
+        if not is_torchdynamo_compiling():  # fixed addresses, so CUDA graphs replay in place (as in StaticLayer)
+            for t in (self.prefix_keys, self.prefix_values, self._kbuf, self._vbuf, self._end, self._lengths):
+                torch._dynamo.mark_static_address(t)
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, relay: bool = True, **kwargs):
+        if not relay or self.prefix_keys is None:
+            raise ValueError("a static RelayCache needs a prefix and a model patched by relay_hf (relay attention)")
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        n = key_states.shape[-2]
+        pos = torch.arange(n, device=key_states.device) + self._end
+        self._kbuf.index_copy_(2, pos, key_states)
+        self._vbuf.index_copy_(2, pos, value_states)
+        self._end.add_(n)
+        self._lengths.add_(n)
+        return (RelayKV(self.prefix_keys, self._kbuf, self._lengths, self._end),
+                RelayKV(self.prefix_values, self._vbuf, self._lengths, self._end))
+
+    def get_seq_length(self):
+        return self.prefix_length if self._end is None else self._end + self.prefix_length  # a tensor: no host sync
+
+    def get_mask_sizes(self, query_length: int, relay: bool = False) -> tuple[int, int]:
+        return self.max_suffix_length, self.prefix_length
+
+    def get_max_length(self) -> int:
+        return self.prefix_length + self.max_suffix_length
+
+    def reset(self) -> None:
+        if self.is_initialized:  # in place: a captured CUDA graph keeps working on the same buffers
+            self._kbuf.zero_()
+            self._vbuf.zero_()
+            self._end.zero_()
+            self._lengths.copy_(-self.suffix_padding.to(self._lengths) if self.suffix_padding is not None else 0)
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        if self.is_initialized:  # in place: the addresses a CUDA graph captured must stay valid
+            idx = beam_idx.to(self._kbuf.device)
+            self._kbuf.copy_(self._kbuf.index_select(0, idx))
+            self._vbuf.copy_(self._vbuf.index_select(0, idx))
+            self._lengths.copy_(self._lengths.index_select(0, idx))
+
+    def crop(self, tokens_to_remove: int) -> None:
+        raise NotImplementedError("a static RelayCache cannot be cropped")
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        if self.is_initialized:
+            raise NotImplementedError("a static RelayCache cannot change its batch after the first forward")
+        if self.suffix_padding is not None:
+            self.suffix_padding = self.suffix_padding.repeat_interleave(repeats)
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        raise NotImplementedError("a static RelayCache cannot change its batch")
+
+
 class RelayCache(Cache):
     """A transformers ``Cache`` that stores the shared prefix ONCE per layer and a suffix per row.
 
@@ -222,9 +336,48 @@ class RelayCache(Cache):
         for layer in self.layers:
             layer.reserve(tokens)
 
-    def fork(self) -> RelayCache:
-        """A new cache sharing this one's prefix tensors (no copy) with an empty suffix."""
-        return type(self)(self.config, [(lay.prefix_keys, lay.prefix_values) for lay in self.layers], self.prefix_ids)
+    def fork(self, *, max_suffix_length: int | None = None, suffix_padding: torch.Tensor | None = None
+             ) -> RelayCache:
+        """A new cache sharing this one's prefix tensors (no copy) with an empty suffix.
+
+        Args:
+            max_suffix_length: if given, the fork is static and compileable (``StaticRelayLayer``): suffix buffers
+                of this many positions (prompt after the prefix + new tokens), allocated once. ``torch.compile`` /
+                CUDA graphs (transformers' generate compile path) can then run the decode step.
+            suffix_padding: ``[B]`` int, each row's left padding at the start of its suffix (static only; the
+                dynamic cache reads it from the attention mask).
+        """
+        fork = type(self)(self.config, [(lay.prefix_keys, lay.prefix_values) for lay in self.layers], self.prefix_ids)
+        if max_suffix_length is not None:
+            if self.prefix_length == 0:
+                raise ValueError("a static RelayCache needs a prefix; build it with RelayCache.from_prefix")
+            # the static fork owns its prefix (a copy), so ``refill`` can overwrite it in place for the next call
+            fork.layers = [StaticRelayLayer(lay.prefix_keys.clone(), lay.prefix_values.clone(), max_suffix_length,
+                                            suffix_padding) for lay in self.layers]
+        return fork
+
+    def can_refill(self, base: RelayCache, rows: int, max_suffix_length: int) -> bool:
+        """Whether this static cache can serve ``base``'s prefix for ``rows`` rows without new buffers."""
+        mine, theirs = self.layers[0], base.layers[0]
+        return (self.is_static and mine.is_initialized and mine._kbuf.shape[0] == rows
+                and mine.max_suffix_length == max_suffix_length
+                and mine.prefix_keys.shape == theirs.prefix_keys.shape
+                and mine.prefix_keys.dtype == theirs.prefix_keys.dtype
+                and mine.prefix_keys.device == theirs.prefix_keys.device)
+
+    def refill(self, base: RelayCache, suffix_padding: torch.Tensor) -> None:
+        """Reuse this static cache for ``base``'s prefix and new rows: every buffer keeps its address, so the CUDA
+        graphs transformers captured for the previous call replay instead of being recorded again."""
+        for lay, src in zip(self.layers, base.layers):
+            lay.prefix_keys.copy_(src.prefix_keys)
+            lay.prefix_values.copy_(src.prefix_values)
+            lay.suffix_padding = suffix_padding
+            lay.reset()
+        self.prefix_ids = base.prefix_ids
+
+    @property
+    def is_static(self) -> bool:
+        return bool(self.layers) and isinstance(self.layers[0], StaticRelayLayer)
 
     # -- state -----------------------------------------------------------------------------------------------------
     @property
@@ -234,7 +387,7 @@ class RelayCache(Cache):
     @property
     def relay_active(self) -> bool:
         """Whether attention goes through relay (patched model) rather than a stock implementation."""
-        return self.config._attn_implementation == ATTN_NAME
+        return self.config._attn_implementation in (ATTN_NAME, STATIC_ATTN_NAME)
 
     @property
     def prefix_device(self) -> torch.device | None:

@@ -1,16 +1,16 @@
 """When relay pays: the one place that decides relay vs the plain (stock SDPA) path for a batch.
 
 The numbers come from ``python -m relay_hf.bench kernel`` on an H200 (docs/performance.md): per decode step the
-Triton relay kernel beats SDPA over the prefix expanded to the batch once ``rows * prefix_length`` reaches about
-16K tokens, and loses below (two launches and the fp32 partials cost a few microseconds that a small prefix does not
-pay back). A single row has nothing to share. On CPU the PyTorch path wins as soon as two rows share the prefix.
+Triton relay kernel beats SDPA over the prefix expanded to the batch from ``rows * prefix_length`` = 4096 tokens on
+(B=8, S=512: 1.06x) and loses at one row (0.56-0.92x: two launches and the fp32 partials cost a few microseconds that
+nothing shared pays back). On CPU the PyTorch path wins as soon as two rows share the prefix.
 """
 
 from __future__ import annotations
 
 import torch
 
-CUDA_MIN_SHARED_TOKENS = 16384  # rows * prefix tokens below which the CUDA relay kernel loses to SDPA
+CUDA_MIN_SHARED_TOKENS = 4096  # rows * prefix tokens below which the CUDA relay kernel is not measured to win
 
 
 def relay_pays(rows: int, prefix_length: int, device: torch.device, min_prefix_length: int) -> str | None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import inspect
 import logging
@@ -14,7 +15,7 @@ from transformers import LogitsProcessorList, StoppingCriteriaList
 from transformers.generation.streamers import BaseStreamer
 
 from ._compat import cache_kwarg_name
-from .cache import RelayCache
+from .cache import ATTN_NAME, STATIC_ATTN_NAME, RelayCache
 from .dispatch import relay_pays
 from .prefix import (
     common_prefix_length,
@@ -31,11 +32,12 @@ logger = logging.getLogger("relay_hf")
 # prefix) or whose outputs have per-position shapes: these calls run on stock generate.
 _ORDER_SENSITIVE = ("no_repeat_ngram_size", "encoder_no_repeat_ngram_size", "bad_words_ids", "sequence_bias",
                     "output_attentions", "output_hidden_states", "watermarking_config", "token_healing",
-                    "prefill_chunk_size", "dola_layers", "penalty_alpha", "cache_implementation",
+                    "prefill_chunk_size", "dola_layers", "penalty_alpha",
                     "prompt_lookup_num_tokens", "assistant_early_exit")
 _STOCK_KWARGS = ("inputs_embeds", "position_ids", "assistant_model", "prefix_allowed_tokens_fn", "custom_generate",
                  "negative_prompt_ids", "decoder_input_ids")
 _CACHE_NAMES = ("cache", "past_key_values")
+STATIC_ROUNDING = 256  # static suffix buffers are sized in multiples of this, so similar calls reuse one compiled graph
 
 
 class _Stock(Exception):
@@ -48,12 +50,14 @@ class RelayFallbackWarning(UserWarning):
 
 @dataclass
 class RelayDecision:
-    """What the last patched ``generate`` call did. ``used``: relay attention served it; ``reason``: why not."""
+    """What the last patched ``generate`` call did. ``used``: relay attention served it; ``reason``: why not;
+    ``static``: it ran on a static (compileable) ``RelayCache``."""
 
     used: bool
     reason: str
     prefix_length: int = 0
     rows: int = 0
+    static: bool = False
 
 
 class _StockView:
@@ -151,6 +155,10 @@ def _plan(model, call: dict) -> dict:
             raise _Stock(f"`{key}` is not supported by the relay path")
     if gen.use_cache is False:
         raise _Stock("use_cache=False")
+    if gen.cache_implementation not in (None, "static"):
+        raise _Stock(f"cache_implementation={gen.cache_implementation!r} is not supported by the relay path")
+    # the transformers way to ask for a compiled decode (static cache / compile_config) gets a static RelayCache
+    static = (gen.cache_implementation == "static" or gen.compile_config is not None) and (gen.num_beams or 1) == 1
     mask = call.get("attention_mask")
     if mask is None:
         if gen.pad_token_id is not None and bool((ids == gen.pad_token_id).any()):
@@ -178,7 +186,8 @@ def _plan(model, call: dict) -> dict:
         warnings.warn(f"relay_hf: up to {total} tokens exceed the sliding window ({window}); this call runs stock "
                       "attention", RelayFallbackWarning, stacklevel=3)
         raise _Stock(f"sequence length {total} exceeds the sliding window {window}")
-    return dict(ids=ids, mask=mask, n_pad=n_pad, P=P, T=T, total=total, rows=rows, user_cache=user_cache)
+    return dict(ids=ids, mask=mask, n_pad=n_pad, P=P, T=T, total=total, rows=rows, user_cache=user_cache,
+                static=static)
 
 
 def _sliding_window(config) -> int | None:
@@ -203,22 +212,63 @@ def _run_relay(model, stock, call: dict, plan: dict):
     ids, mask, n_pad, P, T = plan["ids"], plan["mask"], plan["n_pad"], plan["P"], plan["T"]
     perm = relay_permutation(n_pad, P, T)
     inv = inverse_permutation(perm)
-    if plan["user_cache"] is not None:
-        cache = plan["user_cache"].fork()
-    else:
+    cache = plan["user_cache"]
+    if cache is None:
         cache = RelayCache.from_prefix(model, ids[0, int(n_pad[0]):int(n_pad[0]) + P])
-    cache.reserve(plan["total"] - P)  # suffix buffers sized once: prompt after the prefix + max new tokens
-    call = {k: v for k, v in call.items() if k not in ("inputs", "input_ids", *_CACHE_NAMES)}
+    static = plan["static"] and cache.relay_active
+    if static:
+        cache = _static_cache(model, cache, plan)
+    else:
+        cache = cache.fork()
+        cache.reserve(plan["total"] - P)  # suffix buffers sized once: prompt after the prefix + max new tokens
+    call = {k: v for k, v in call.items() if k not in ("inputs", "input_ids", "cache_implementation", *_CACHE_NAMES)}
+    if getattr(call.get("generation_config"), "cache_implementation", None) is not None:
+        call["generation_config"] = copy.deepcopy(call["generation_config"])
+        call["generation_config"].cache_implementation = None  # the RelayCache we pass is the cache
     call["attention_mask"] = mask.gather(1, perm)
     call[cache_kwarg_name(model)] = cache
     _wrap_user_hooks(call, inv)
-    out = stock(ids.gather(1, perm), **call)
+    out = _stock_generate(model, stock, ids.gather(1, perm), call, static=static)
     sequences = out if isinstance(out, torch.Tensor) else out.sequences
     sequences = to_stock_layout(sequences, inv)
     if isinstance(out, torch.Tensor):
         return sequences
     out.sequences = sequences
     return out
+
+
+def _static_cache(model, base: RelayCache, plan: dict) -> RelayCache:
+    """A static fork of ``base`` for this call. The last one is kept on the model and refilled when the next call
+    has the same shapes (as transformers keeps its StaticCache), so compiled CUDA graphs are not re-recorded."""
+    cap = -(-(plan["total"] - plan["P"]) // STATIC_ROUNDING) * STATIC_ROUNDING
+    pads = plan["n_pad"].to(torch.int32).repeat_interleave(plan["rows"] // plan["ids"].shape[0])
+    pooled = model._relay_state.static_cache
+    if pooled is not None and pooled.can_refill(base, plan["rows"], cap):
+        pooled.refill(base, pads.to(base.prefix_device))
+        return pooled
+    model._relay_state.static_cache = None  # free the old buffers before allocating new ones
+    model._relay_state.static_cache = base.fork(max_suffix_length=cap, suffix_padding=pads)
+    return model._relay_state.static_cache
+
+
+@contextlib.contextmanager
+def _attention(model, name: str):
+    """Run under attention implementation ``name``, then give the model its ``"relay"`` implementation back."""
+    if model.config._attn_implementation == name:
+        yield
+        return
+    model.set_attn_implementation(name)
+    try:
+        yield
+    finally:
+        model.set_attn_implementation(ATTN_NAME)
+
+
+def _stock_generate(model, stock, ids: torch.Tensor, call: dict, static: bool):
+    """Stock ``generate`` on the relay layout; a static cache runs under ``"relay_static"`` (no mask function, so the
+    compiled decode step builds no mask)."""
+    with _attention(model, STATIC_ATTN_NAME if static else ATTN_NAME):
+        return stock(ids, **call)
 
 
 def relay_generate(model, *args, **kwargs):
@@ -230,10 +280,14 @@ def relay_generate(model, *args, **kwargs):
     except _Stock as why:
         model.relay_last_decision = RelayDecision(False, str(why))
         logger.debug("relay_hf: stock generate (%s)", why)
-        return stock(*args, **kwargs)
+        # exactly stock: the model's own attention (a static cache would otherwise get relay's mask objects)
+        if model._relay_state.unsupported is not None:  # patch kept the model's own attention
+            return stock(*args, **kwargs)
+        with _attention(model, model._relay_state.original_attn):
+            return stock(*args, **kwargs)
     used = plan["user_cache"].relay_active if plan["user_cache"] is not None else True
     model.relay_last_decision = RelayDecision(used, "relay" if used else "RelayCache on stock attention",
-                                              plan["P"], plan["rows"])
+                                              plan["P"], plan["rows"], plan["static"] and used)
     logger.debug("relay_hf: relay generate, prefix %d tokens, %d rows", plan["P"], plan["rows"])
     return _run_relay(model, stock, call, plan)
 

@@ -10,6 +10,9 @@ involved) and shadows that one instance's ``generate``. The wrapped ``generate``
    prefilled and every decode step reads the prefix once per batch,
 4. hands back ``sequences`` in the stock layout, with the ``RelayCache`` as the returned cache.
 
+``cache_implementation="static"`` (or a ``compile_config``) gets a static, compileable ``RelayCache`` instead, so
+transformers' compiled / CUDA-graph decode path runs the relay kernel (``generate.py``).
+
 Whatever it cannot do exactly goes to stock ``generate`` with the reason in ``model.relay_last_decision``.
 """
 
@@ -32,6 +35,7 @@ class _RelayState:
     original_attn: str
     min_prefix_length: int
     unsupported: str | None
+    static_cache: object = None  # the last static RelayCache, refilled by the next call of the same shapes
 
 
 def unsupported_reason(model) -> str | None:

@@ -53,10 +53,14 @@ def system_prompt() -> str:
     return (REPO / "examples" / "system_prompt.md").read_text()
 
 
-def dense_reference(query, prefix_key, prefix_value, suffix_key, suffix_value, scale=None, suffix_lengths=None):
+def dense_reference(query, prefix_key, prefix_value, suffix_key, suffix_value, scale=None, suffix_lengths=None,
+                    suffix_end=None):
     """Float64 oracle: the prefix expanded to every row, concatenated to the suffix, one masked softmax.
 
-    Rows whose query sees no key return zeros (the relay contract)."""
+    Rows whose query sees no key return zeros (the relay contract). ``suffix_end``: only that many suffix positions
+    are filled (a static buffer); the rest is ignored."""
+    if suffix_end is not None:
+        suffix_key, suffix_value = suffix_key[:, :, :int(suffix_end)], suffix_value[:, :, :int(suffix_end)]
     q, pk, pv, sk, sv = (t.double() for t in (query, prefix_key, prefix_value, suffix_key, suffix_value))
     B, H_q, L_q, D = q.shape
     H_kv, L_s, P = sk.shape[1], sk.shape[2], pk.shape[2]

@@ -92,16 +92,18 @@ def _rss_bytes() -> int:
         return int(f.read().split()[1]) * 4096
 
 
-def test_200_generate_calls_keep_memory_flat():
+@pytest.mark.parametrize("static", [False, True])
+def test_200_generate_calls_keep_memory_flat(static):
     import gc
 
     model = relay_hf.patch(tiny_model("llama"), min_prefix_length=8)
     ids, mask, _ = shared_prefix_batch(seed=9)
+    extra = dict(cache_implementation="static") if static else {}
 
     def run(n):
         for _ in range(n):
-            model.generate(ids, attention_mask=mask, max_new_tokens=4, do_sample=False)
-        assert model.relay_last_decision.used
+            model.generate(ids, attention_mask=mask, max_new_tokens=4, do_sample=False, **extra)
+        assert model.relay_last_decision.used and model.relay_last_decision.static == static
         gc.collect()
         return _rss_bytes(), sum(isinstance(o, torch.Tensor) for o in gc.get_objects())
 
@@ -109,3 +111,60 @@ def test_200_generate_calls_keep_memory_flat():
     rss1, tensors1 = run(200)
     assert tensors1 <= tensors0, f"{tensors1 - tensors0} tensors leaked over 200 calls"
     assert rss1 - rss0 < 32 * 2**20, f"RSS grew by {(rss1 - rss0) / 2**20:.1f} MiB over 200 calls"
+
+
+def _static_layer(B=3, cap=8, pads=(0, 2, 5)):
+    lay = relay_hf.StaticRelayLayer(torch.randn(1, 2, 5, 8), torch.randn(1, 2, 5, 8), cap,
+                                    torch.tensor(pads, dtype=torch.int32))
+    return lay
+
+
+def test_static_layer_writes_in_place_and_tracks_extents_on_device():
+    lay = _static_layer()
+    k, v = lay.update(torch.randn(3, 2, 6, 8), torch.randn(3, 2, 6, 8))
+    ptrs = (lay._kbuf.data_ptr(), lay._end.data_ptr(), lay._lengths.data_ptr())
+    assert k.suffix.shape == (3, 2, 8, 8) and k.prefix is lay.prefix_keys
+    assert int(k.end) == 6 and k.lengths.tolist() == [6, 4, 1]  # padding excluded
+    step = torch.randn(3, 2, 1, 8)
+    k, v = lay.update(step, -step)
+    assert (lay._kbuf.data_ptr(), lay._end.data_ptr(), lay._lengths.data_ptr()) == ptrs
+    assert int(k.end) == 7 and k.lengths.tolist() == [7, 5, 2]
+    assert torch.equal(k.suffix[:, :, 6:7], step) and torch.equal(v.suffix[:, :, 6:7], -step)
+    assert int(lay.get_seq_length()) == 5 + 7
+    lay.reset()
+    assert int(lay._end) == 0 and lay._lengths.tolist() == [0, -2, -5] and lay._kbuf.abs().sum() == 0
+
+
+def test_static_cache_refuses_what_it_cannot_do():
+    lay = _static_layer()
+    with pytest.raises(ValueError, match="patched"):
+        lay.update(torch.randn(3, 2, 1, 8), torch.randn(3, 2, 1, 8), relay=False)
+    with pytest.raises(ValueError, match="suffix_padding"):
+        _static_layer(pads=(0, 1)).update(torch.randn(3, 2, 1, 8), torch.randn(3, 2, 1, 8))
+    lay.update(torch.randn(3, 2, 1, 8), torch.randn(3, 2, 1, 8))
+    with pytest.raises(NotImplementedError, match="cropped"):
+        lay.crop(-1)
+    with pytest.raises(NotImplementedError, match="batch"):
+        lay.batch_repeat_interleave(2)
+
+
+def test_static_fork_owns_its_prefix_and_refills_in_place():
+    config = tiny_model("llama").config
+    kv = [(torch.randn(1, 2, 5, 8), torch.randn(1, 2, 5, 8)) for _ in range(config.num_hidden_layers)]
+    base = RelayCache(config, kv, prefix_ids=torch.arange(5))
+    with pytest.raises(ValueError, match="prefix"):
+        RelayCache(config).fork(max_suffix_length=8)
+    static = base.fork(max_suffix_length=8, suffix_padding=torch.zeros(3, dtype=torch.int32))
+    assert static.is_static and static.is_compileable and not base.is_compileable
+    assert static.layers[0].prefix_keys.data_ptr() != kv[0][0].data_ptr()  # a copy: refill must not touch `base`
+    assert not static.can_refill(base, 3, 8)  # not initialised yet
+    for lay in static.layers:
+        lay.update(torch.randn(3, 2, 2, 8), torch.randn(3, 2, 2, 8))
+    other = RelayCache(config, [(torch.randn(1, 2, 5, 8), torch.randn(1, 2, 5, 8)) for _ in kv], torch.arange(5) + 1)
+    assert static.can_refill(other, 3, 8) and not static.can_refill(other, 4, 8) and not static.can_refill(other, 3, 16)
+    ptr = static.layers[0].prefix_keys.data_ptr()
+    static.refill(other, torch.tensor([0, 1, 0], dtype=torch.int32))
+    assert static.layers[0].prefix_keys.data_ptr() == ptr
+    assert torch.equal(static.layers[0].prefix_keys, other.layers[0].prefix_keys)
+    assert torch.equal(base.layers[0].prefix_keys, kv[0][0])
+    assert int(static.layers[0]._end) == 0 and static.layers[0]._lengths.tolist() == [0, -1, 0]

@@ -286,3 +286,73 @@ def test_bad_cache_raises_and_model_stays_usable():
         model.generate(ids, attention_mask=mask, max_new_tokens=2, past_key_values=half)
     out = model.generate(ids, attention_mask=mask, max_new_tokens=2, do_sample=False)  # still works
     assert model.relay_last_decision.used and out.shape == (4, ids.shape[1] + 2)
+
+
+# -- static (compileable) RelayCache: cache_implementation="static" / compile_config ----------------------------------
+def test_static_relay_cache_matches_stock_static(arch_model):
+    ids, mask, _ = shared_prefix_batch(seed=5)
+    stock, relay = stock_and_relay(arch_model, ids, mask, max_new_tokens=10, do_sample=False, output_logits=True,
+                                   cache_implementation="static")
+    decision = arch_model.relay_last_decision
+    assert decision.used and decision.static and decision.prefix_length == 40
+    for step, (a, b) in enumerate(zip(stock.logits, relay.logits, strict=True)):
+        assert torch.allclose(a, b, atol=1e-4, rtol=1e-4), f"logits differ at step {step}"
+    assert torch.equal(stock.sequences, relay.sequences)
+    cache = output_cache(relay)
+    assert cache.is_static and cache.is_compileable and int(cache.layers[0]._end) == relay.sequences.shape[1] - 41
+
+
+def test_static_cache_is_refilled_in_place_by_the_next_call():
+    """Same shapes, new prompts: the same buffers (so compiled CUDA graphs replay) and still the stock answer."""
+    model = tiny_model("llama")
+    batches = [shared_prefix_batch(seed=seed)[:2] for seed in (6, 7)]
+    stocks = [model.generate(ids, attention_mask=mask, max_new_tokens=6, do_sample=False) for ids, mask in batches]
+    relay_hf.patch(model, min_prefix_length=8)
+    outs = []
+    for (ids, mask), stock in zip(batches, stocks, strict=True):
+        out = model.generate(ids, attention_mask=mask, max_new_tokens=6, do_sample=False, return_dict_in_generate=True,
+                             cache_implementation="static")
+        assert torch.equal(stock, out.sequences)
+        layer = output_cache(out).layers[0]
+        outs.append((output_cache(out), layer._kbuf.data_ptr(), layer.prefix_keys.data_ptr()))
+    assert outs[0] == outs[1]
+
+
+def test_static_sampling_with_several_return_sequences_matches():
+    model = tiny_model("qwen3")
+    ids, mask, _ = shared_prefix_batch(seed=8, suffix_lens=(4, 2))
+    stock, relay = stock_and_relay(model, ids, mask, seed=3, max_new_tokens=8, do_sample=True, num_return_sequences=3,
+                                   cache_implementation="static")
+    assert model.relay_last_decision.static and model.relay_last_decision.rows == 6
+    assert torch.equal(stock.sequences, relay.sequences)
+
+
+def test_compiled_decode_traces_as_one_graph_and_matches_eager():
+    """transformers' compile path (fullgraph=True) over the static RelayCache: no graph break, same tokens. CPU CI
+    uses the ``eager`` backend (tracing is what can break); the GPU run uses inductor + CUDA graphs."""
+    from transformers import CompileConfig
+
+    model = relay_hf.patch(tiny_model("llama"), min_prefix_length=8)
+    ids, mask, _ = shared_prefix_batch(seed=9)
+    eager = model.generate(ids, attention_mask=mask, max_new_tokens=8, do_sample=False)
+    config = CompileConfig(fullgraph=True, backend="eager", mode=None)
+    config._compile_all_devices = True  # transformers compiles on accelerators only unless told otherwise
+    torch._dynamo.reset()
+    compiled = model.generate(ids, attention_mask=mask, max_new_tokens=8, do_sample=False, compile_config=config)
+    assert model.relay_last_decision.static and hasattr(model, "_compiled_call")
+    assert torch.equal(eager, compiled)
+    assert model.config._attn_implementation == "relay"  # restored after the static call
+
+
+def test_stock_fallback_with_a_static_cache_runs_the_models_own_attention():
+    """A call relay does not serve (one row) asking for transformers' static cache: exactly stock, and the model is
+    back on relay attention afterwards."""
+    model = tiny_model("llama")
+    ids, mask, _ = shared_prefix_batch(seed=10)
+    ids, mask = ids[:1], mask[:1]
+    stock = model.generate(ids, attention_mask=mask, max_new_tokens=6, do_sample=False, cache_implementation="static")
+    relay_hf.patch(model, min_prefix_length=8)
+    out = model.generate(ids, attention_mask=mask, max_new_tokens=6, do_sample=False, cache_implementation="static")
+    assert not model.relay_last_decision.used
+    assert torch.equal(stock, out)
+    assert model.config._attn_implementation == "relay"

@@ -17,7 +17,8 @@ def _triton_ok() -> bool:
 
 def relay_attention(query: torch.Tensor, prefix_key: torch.Tensor, prefix_value: torch.Tensor,
                     suffix_key: torch.Tensor, suffix_value: torch.Tensor, *, scale: float | None = None,
-                    suffix_lengths: torch.Tensor | None = None) -> torch.Tensor:
+                    suffix_lengths: torch.Tensor | None = None, suffix_end: torch.Tensor | None = None
+                    ) -> torch.Tensor:
     """Exact attention of a batch over ONE shared prefix plus each row's own suffix.
 
     Args:
@@ -27,6 +28,10 @@ def relay_attention(query: torch.Tensor, prefix_key: torch.Tensor, prefix_value:
             ``suffix_lengths[b]`` positions.
         scale: softmax scale, ``D ** -0.5`` when ``None``.
         suffix_lengths: ``[B]`` integer tensor, or ``None`` when every suffix position is valid.
+        suffix_end: one-element integer tensor, or ``None``. For static (preallocated, CUDA-graph friendly) suffix
+            buffers: only the first ``end`` positions are filled, the queries are positions ``end - L_q ...
+            end - 1`` and ``suffix_lengths`` counts the valid positions ending at ``end``. Read on the device, so a
+            captured graph replays correctly as ``end`` grows.
 
     Every query sees the whole prefix and, causally, the valid part of its own suffix. ``H_q`` must be a multiple
     of ``H_kv`` (GQA). All tensors share one dtype (fp16, bf16, fp32 or fp64) and device.
@@ -42,9 +47,10 @@ def relay_attention(query: torch.Tensor, prefix_key: torch.Tensor, prefix_value:
         from .op import relay_attention_op
 
         scale = query.shape[-1] ** -0.5 if scale is None else float(scale)
-        return relay_attention_op(query, prefix_key, prefix_value, suffix_key, suffix_value, scale, suffix_lengths)
+        return relay_attention_op(query, prefix_key, prefix_value, suffix_key, suffix_value, scale, suffix_lengths,
+                                  suffix_end)
     return relay_attention_torch(query, prefix_key, prefix_value, suffix_key, suffix_value,
-                                 scale=scale, suffix_lengths=suffix_lengths)
+                                 scale=scale, suffix_lengths=suffix_lengths, suffix_end=suffix_end)
 
 
 __all__ = ["relay_attention", "relay_attention_torch"]

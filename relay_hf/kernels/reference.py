@@ -25,7 +25,8 @@ def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
-def check_relay_inputs(query, prefix_key, prefix_value, suffix_key, suffix_value, suffix_lengths) -> None:
+def check_relay_inputs(query, prefix_key, prefix_value, suffix_key, suffix_value, suffix_lengths,
+                       suffix_end=None) -> None:
     """Raise ``ValueError`` naming the first argument whose shape, dtype or device does not fit the contract."""
     if query.dim() != 4:
         raise ValueError(f"query must be [B, H_q, L_q, D], got shape {tuple(query.shape)}")
@@ -54,6 +55,10 @@ def check_relay_inputs(query, prefix_key, prefix_value, suffix_key, suffix_value
         if suffix_lengths.shape != (B,) or suffix_lengths.dtype.is_floating_point:
             raise ValueError(f"suffix_lengths must be an integer tensor of shape [{B}], got "
                              f"{suffix_lengths.dtype} {tuple(suffix_lengths.shape)}")
+    if suffix_end is not None:
+        if suffix_end.numel() != 1 or suffix_end.dtype.is_floating_point or suffix_end.device != query.device:
+            raise ValueError(f"suffix_end must be a one-element integer tensor on {query.device}, got "
+                             f"{suffix_end.dtype} {tuple(suffix_end.shape)} on {suffix_end.device}")
 
 
 def prefix_attention_torch(query: torch.Tensor, prefix_key: torch.Tensor, prefix_value: torch.Tensor,
@@ -94,13 +99,16 @@ def prefix_attention_torch(query: torch.Tensor, prefix_key: torch.Tensor, prefix
 
 
 def suffix_attention_torch(query: torch.Tensor, suffix_key: torch.Tensor, suffix_value: torch.Tensor, scale: float,
-                           suffix_lengths: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+                           suffix_lengths: torch.Tensor | None, suffix_end: torch.Tensor | None = None
+                           ) -> tuple[torch.Tensor, torch.Tensor]:
     """Each row's queries against its own left-padded suffix, causal, GQA without expanding K/V.
 
     Args:
-        query: ``[B, H_q, L_q, D]``; query ``i`` sits at suffix position ``L_s - L_q + i``.
-        suffix_key, suffix_value: ``[B, H_kv, L_s, D]``; row ``b``'s valid keys are its last ``suffix_lengths[b]``.
-        suffix_lengths: ``[B]`` integer, or ``None`` when every position is valid.
+        query: ``[B, H_q, L_q, D]``; query ``i`` sits at suffix position ``end - L_q + i``.
+        suffix_key, suffix_value: ``[B, H_kv, L_s, D]``; row ``b``'s valid keys are the last ``suffix_lengths[b]``
+            of the first ``end`` positions.
+        suffix_lengths: ``[B]`` integer, or ``None`` when every position before ``end`` is valid.
+        suffix_end: one-element integer tensor ``end`` (a static buffer filled up to there), or ``None``: ``L_s``.
 
     Returns:
         ``out_s [B, H_q, L_q, D]`` (accumulation dtype; zero where a query sees no key) and ``lse_s [B, H_q, L_q]``
@@ -112,11 +120,12 @@ def suffix_attention_torch(query: torch.Tensor, suffix_key: torch.Tensor, suffix
     acc = _acc_dtype(query.dtype)
     q = query.reshape(B, H_kv, G * L_q, D).to(acc)  # group folded into the query rows
     scores = torch.matmul(q, suffix_key.to(acc).transpose(2, 3)) * scale  # [B, H_kv, G*L_q, L_s]
-    q_pos = torch.arange(L_q, device=query.device) + (L_s - L_q)
+    end = L_s if suffix_end is None else suffix_end.reshape(())  # a tensor stays a tensor: no host sync, traceable
+    q_pos = torch.arange(L_q, device=query.device) + (end - L_q)
     k_pos = torch.arange(L_s, device=query.device)
     visible = (k_pos[None, :] <= q_pos[:, None])[None]  # [1, L_q, L_s]
     if suffix_lengths is not None:
-        first_valid = (L_s - suffix_lengths.to(query.device)).view(B, 1, 1)
+        first_valid = (end - suffix_lengths.to(query.device)).view(B, 1, 1)
         visible = visible & (k_pos.view(1, 1, L_s) >= first_valid)  # [B, L_q, L_s]
     visible = visible[:, None, None].expand(-1, 1, G, -1, -1).reshape(visible.shape[0], 1, G * L_q, L_s)
     scores = scores.masked_fill(~visible, float("-inf"))
@@ -146,14 +155,15 @@ def merge_partials(out_p: torch.Tensor, lse_p: torch.Tensor, out_s: torch.Tensor
 
 def relay_attention_torch(query: torch.Tensor, prefix_key: torch.Tensor, prefix_value: torch.Tensor,
                           suffix_key: torch.Tensor, suffix_value: torch.Tensor, *, scale: float | None = None,
-                          suffix_lengths: torch.Tensor | None = None) -> torch.Tensor:
+                          suffix_lengths: torch.Tensor | None = None,
+                          suffix_end: torch.Tensor | None = None) -> torch.Tensor:
     """Relay attention in PyTorch; same signature and contract as ``relay_hf.relay_attention``.
 
     Returns ``[B, H_q, L_q, D]`` in ``query.dtype``.
     """
-    check_relay_inputs(query, prefix_key, prefix_value, suffix_key, suffix_value, suffix_lengths)
+    check_relay_inputs(query, prefix_key, prefix_value, suffix_key, suffix_value, suffix_lengths, suffix_end)
     scale = query.shape[-1] ** -0.5 if scale is None else scale
     out_p, lse_p = prefix_attention_torch(query, prefix_key, prefix_value, scale)
-    out_s, lse_s = suffix_attention_torch(query, suffix_key, suffix_value, scale, suffix_lengths)
+    out_s, lse_s = suffix_attention_torch(query, suffix_key, suffix_value, scale, suffix_lengths, suffix_end)
     out, _ = merge_partials(out_p, lse_p, out_s, lse_s)
     return out.to(query.dtype)

@@ -1,19 +1,24 @@
-"""Triton relay attention: the prefix read once per batch (split-KV), the suffix with a fused LSE merge.
+"""Triton relay attention: one launch computes every partial (prefix read once per batch, split-KV; each row's suffix,
+split when the batch is small), a second tiny launch merges them by LSE.
 
-Two launches per call:
+1. ``_partials_kernel`` — grid ``(prefix_units + suffix_units, H_kv)``; a program is one of two kinds of unit:
 
-1. ``_prefix_kernel`` — grid ``(row_blocks, H_kv, splits)``. For one KV head, the queries of the WHOLE batch
-   (batch, GQA group and query position folded into ``N = B*G*L_q`` rows) stream one contiguous split of the prefix
-   tile by tile with ``tl.dot``. Row blocks vary fastest, so programs that share a prefix tile run together and the
-   tile comes from HBM once (L2 serves the rest). Splitting the prefix fills the GPU even at small ``B``
-   (flash-decoding). Writes normalised partial outputs and natural-log LSE, both fp32.
-2. ``_suffix_merge_kernel`` — grid ``(row_blocks, H_kv, B)``. Each row's ``G*L_q`` queries against its own
-   left-padded suffix (causal, GQA without expanding K/V), then the prefix partials of those rows are folded in by
-   LSE and the final output is written once, in the input dtype.
+   * prefix unit ``(row block, split)``: for one KV head, the queries of the WHOLE batch (batch, GQA group and query
+     position folded into ``N = B*G*L_q`` rows) stream one contiguous split of the prefix tile by tile with
+     ``tl.dot``. Row blocks vary fastest, so programs that share a prefix tile run together and the tile comes from
+     HBM once (L2 serves the rest). Splitting the prefix fills the GPU at any ``B`` (flash-decoding).
+   * suffix unit ``(row, row block, split)``: one row's ``G*L_q`` queries against a split of its own left-padded
+     suffix (causal, GQA without expanding K/V).
+
+   Both kinds run in the same wave, so the prefix and suffix reads overlap. Each writes a normalised fp32 partial
+   output and its natural-log LSE into its own slot: prefix split ``s`` -> slot ``s``, suffix split ``t`` -> slot
+   ``prefix_splits + t``.
+2. ``_merge_kernel`` — grid ``(row blocks, H_kv)``: folds the slots of each row in a fixed order (deterministic, no
+   atomics) and writes the output once, in the input dtype.
 
 Tensor contract (see ``relay_hf.relay_attention``): ``query [B, H_q, L_q, D]``, ``prefix_* [1, H_kv, P, D]``,
-``suffix_* [B, H_kv, L_s, D]``, ``suffix_lengths [B]`` int or None. Scores are in the log2 domain inside the kernels
-(``exp2``); every LSE that leaves a kernel is natural-log fp32.
+``suffix_* [B, H_kv, L_s, D]``, ``suffix_lengths [B]`` int or None, ``suffix_end`` one-element int tensor or None.
+Scores are in the log2 domain inside the kernels (``exp2``); every LSE that leaves a kernel is natural-log fp32.
 """
 
 from __future__ import annotations
@@ -33,15 +38,14 @@ from .reference import check_relay_inputs
 
 LOG2E = 1.4426950408889634
 
-# --- tile configs: (BLOCK_N keys per tile, num_warps, num_stages) by head dim, in one visible place ---------------
-PREFIX_TILES = {64: (64, 4, 3), 128: (64, 4, 3), 256: (32, 8, 2)}
-SUFFIX_TILES = {64: (64, 4, 2), 128: (64, 4, 2), 256: (32, 8, 2)}
-MAX_BLOCK_M = 64  # query rows per program; small batches use the smallest tl.dot tile (16)
-WIDE_M_WARPS = 8  # warps for programs of 128 query rows (a 128 x D fp32 accumulator)
-SPLIT_WAVES = 2  # aim for this many programs per SM in the prefix pass
-PARTIAL_BUDGET = 4  # keep fp32 partial traffic <= 1/PARTIAL_BUDGET of the prefix bytes
-MAX_SPLITS = 32  # bounds the unrolled merge in the suffix kernel
-UNROLL_MERGE = False  # True: fold prefix partials in an unrolled loop (measured slower at B <= 8, docs/performance.md)
+# --- tile configs and work split, in one visible place -------------------------------------------------------------
+TILES = {64: (64, 4, 3), 128: (64, 4, 3), 256: (32, 8, 2)}  # head dim -> (BLOCK_N keys per tile, warps, stages)
+MAX_BLOCK_M = 64  # query rows per prefix program; small batches use the smallest tl.dot tile (16)
+SPLIT_WAVES = 2  # prefix units alone aim for this many programs per SM
+SUFFIX_WAVES = 1  # suffix units alone aim for this many programs per SM (split the suffix when B*H_kv is small)
+PARTIAL_BUDGET = 4  # keep fp32 prefix-partial traffic <= 1/PARTIAL_BUDGET of the prefix bytes
+MAX_SPLITS = 32
+MERGE_TILE = (4, 1)  # merge kernel: (rows per program, warps); tuned on the H200 (docs/kernel_notes.md)
 
 
 def triton_available() -> bool:
@@ -49,9 +53,9 @@ def triton_available() -> bool:
     return triton is not None and (torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1")
 
 
-def _tile(table: dict, head_dim: int):
+def _tile(head_dim: int):
     block_d = max(16, triton.next_power_of_2(head_dim))
-    return (block_d, *table[min(max(block_d, 64), 256)])
+    return (block_d, *TILES[min(max(block_d, 64), 256)])
 
 
 @functools.cache
@@ -66,8 +70,10 @@ def _block_m(rows: int) -> int:
 
 
 def plan_splits(P: int, N: int, H_kv: int, block_m: int, block_n: int, num_sms: int) -> tuple[int, int]:
-    """``(splits, tiles_per_split)`` for the prefix pass: enough programs to fill the GPU, few enough that the fp32
+    """``(splits, tiles_per_split)`` for the prefix: enough programs to fill the GPU, few enough that the fp32
     partials (``splits * N * D * 4`` bytes per head) stay small next to the prefix (``P * D * 4`` bytes per head)."""
+    if P == 0:
+        return 0, 1
     n_tiles = triton.cdiv(P, block_n)
     want = triton.cdiv(SPLIT_WAVES * num_sms, H_kv * triton.cdiv(N, block_m))
     cap = max(1, P // (PARTIAL_BUDGET * N))
@@ -76,7 +82,25 @@ def plan_splits(P: int, N: int, H_kv: int, block_m: int, block_n: int, num_sms: 
     return triton.cdiv(n_tiles, per), per
 
 
+def plan_suffix_splits(L_s: int, units: int, H_kv: int, block_n: int, num_sms: int) -> tuple[int, int]:
+    """``(splits, tiles_per_split)`` for the suffix: split each row's suffix only when ``units * H_kv`` programs
+    (one per row and row block) would leave SMs idle."""
+    n_tiles = max(1, triton.cdiv(L_s, block_n))
+    want = triton.cdiv(SUFFIX_WAVES * num_sms, H_kv * units)
+    splits = max(1, min(n_tiles, want, MAX_SPLITS))
+    per = triton.cdiv(n_tiles, splits)
+    return triton.cdiv(n_tiles, per), per
+
+
 if triton is not None:
+
+    @triton.jit
+    def _scores(q, k, scale_log2, IEEE: tl.constexpr, DOT_F32: tl.constexpr):
+        if DOT_F32:
+            q, k = q.to(tl.float32), k.to(tl.float32)
+        if IEEE:
+            return tl.dot(q, k, input_precision="ieee") * scale_log2
+        return tl.dot(q, k) * scale_log2
 
     @triton.jit
     def _online_update(m, l, acc, s, v, IEEE: tl.constexpr, DOT_F32: tl.constexpr):
@@ -96,158 +120,177 @@ if triton is not None:
         return m_new, l, acc
 
     @triton.jit
-    def _scores(q, k, scale_log2, IEEE: tl.constexpr, DOT_F32: tl.constexpr):
-        if DOT_F32:
-            q, k = q.to(tl.float32), k.to(tl.float32)
-        if IEEE:
-            return tl.dot(q, k, input_precision="ieee") * scale_log2
-        return tl.dot(q, k) * scale_log2
-
-    @triton.jit
-    def _fold_partial(m, l, acc, PLSE, PO, base, live, d, d_ok, D):
-        """Fold one prefix partial (normalised out, natural-log LSE) into the running (m, l, acc) by LSE."""
-        x = tl.load(PLSE + base, mask=live, other=float("-inf")) * 1.4426950408889634
-        o_p = tl.load(PO + base[:, None] * D + d[None, :], mask=live[:, None] & d_ok[None, :], other=0.0)
-        m_new = tl.maximum(m, x)
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha, beta = tl.exp2(m - m_safe), tl.exp2(x - m_safe)
-        return m_new, l * alpha + beta, acc * alpha[:, None] + o_p * beta[:, None]
-
-    @triton.jit
-    def _prefix_kernel(Q, K, V, PO, PLSE,
-                       sq_b, sq_h, sq_l, sq_d, sk_h, sk_p, sk_d, sv_h, sv_p, sv_d,
-                       N, P, L_q, scale_log2, tiles_per_split, G, D,
-                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                       BLOCK_D: tl.constexpr, IEEE: tl.constexpr, DOT_F32: tl.constexpr):
-        pid_m, h, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-        # -- phase 1: this program's query rows, folded n = (b * G + g) * L_q + i over the whole batch
-        rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-        row_ok = rows < N
-        b, g, i = rows // (G * L_q), (rows // L_q) % G, rows % L_q
-        d = tl.arange(0, BLOCK_D)
-        d_ok = d < D
-        q = tl.load(Q + b[:, None] * sq_b + (h * G + g)[:, None] * sq_h + i[:, None] * sq_l + d[None, :] * sq_d,
-                    mask=row_ok[:, None] & d_ok[None, :], other=0.0)
-        # -- phase 2: stream this split's prefix tiles (each tile loaded once for all rows of the block)
+    def _attend(q, K, V, sk_n, sk_d, sv_n, sv_d, lo, hi, first, q_pos, d, d_ok, scale_log2,
+                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, CAUSAL: tl.constexpr,
+                IEEE: tl.constexpr, DOT_F32: tl.constexpr):
+        """Queries ``q [BLOCK_M, BLOCK_D]`` against keys ``[lo, hi)`` of one head (``K``/``V`` point at its first
+        key); keys before ``first`` are padding; ``CAUSAL``: query row j sees keys ``<= q_pos[j]``.
+        Returns the running ``(m, l, acc)`` (log2 domain, unnormalised)."""
         m = tl.full([BLOCK_M], float("-inf"), tl.float32)
         l = tl.zeros([BLOCK_M], tl.float32)
         acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-        start = split * tiles_per_split * BLOCK_N
-        end = tl.minimum(start + tiles_per_split * BLOCK_N, P)
-        for n0 in range(start, end, BLOCK_N):
+        for n0 in range(lo, hi, BLOCK_N):
             cols = n0 + tl.arange(0, BLOCK_N)
-            col_ok = cols < end
-            k = tl.load(K + h * sk_h + cols[None, :] * sk_p + d[:, None] * sk_d,
+            col_ok = (cols < hi) & (cols >= first)
+            k = tl.load(K + cols[None, :] * sk_n + d[:, None] * sk_d,
                         mask=col_ok[None, :] & d_ok[:, None], other=0.0)  # [BLOCK_D, BLOCK_N]
-            s = tl.where(col_ok[None, :], _scores(q, k, scale_log2, IEEE, DOT_F32), float("-inf"))
-            v = tl.load(V + h * sv_h + cols[:, None] * sv_p + d[None, :] * sv_d,
+            visible = col_ok[None, :]
+            if CAUSAL:
+                visible = visible & (cols[None, :] <= q_pos[:, None])
+            s = tl.where(visible, _scores(q, k, scale_log2, IEEE, DOT_F32), float("-inf"))
+            v = tl.load(V + cols[:, None] * sv_n + d[None, :] * sv_d,
                         mask=col_ok[:, None] & d_ok[None, :], other=0.0)  # [BLOCK_N, BLOCK_D]
             m, l, acc = _online_update(m, l, acc, s, v, IEEE, DOT_F32)
-        # -- phase 3: normalised partial + natural-log LSE, fp32
-        out = acc / tl.where(l == 0.0, 1.0, l)[:, None]
-        lse = tl.where(l == 0.0, float("-inf"), (m + tl.log2(l)) * 0.6931471805599453)
-        base = (split * tl.num_programs(1) + h) * N + rows
-        tl.store(PO + base[:, None] * D + d[None, :], out, mask=row_ok[:, None] & d_ok[None, :])
-        tl.store(PLSE + base, lse, mask=row_ok)
+        return m, l, acc
 
     @triton.jit
-    def _suffix_merge_kernel(Q, K, V, LENS, PO, PLSE, O,
-                             sq_b, sq_h, sq_l, sq_d, sk_b, sk_h, sk_s, sk_d, sv_b, sv_h, sv_s, sv_d,
-                             so_b, so_h, so_l, so_d,
-                             N, L_q, L_s, num_splits, scale_log2, G, D,
-                             HAS_LENS: tl.constexpr, HAS_PREFIX: tl.constexpr,
-                             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-                             IEEE: tl.constexpr, DOT_F32: tl.constexpr, MERGE_UNROLL: tl.constexpr):
-        pid_m, h, b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-        # -- phase 1: this row's queries, group folded in: r = g * L_q + i
-        r = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    def _store_partial(PO, PLSE, slot, h, H_kv, N, n, n_ok, m, l, acc, d, d_ok, D):
+        """Normalised fp32 partial and natural-log LSE of rows ``n`` into ``slot``; an empty part gets (0, -inf)."""
+        out = acc / tl.where(l == 0.0, 1.0, l)[:, None]
+        lse = tl.where(l == 0.0, float("-inf"), (m + tl.log2(l)) * 0.6931471805599453)
+        base = (slot * H_kv + h) * N + n
+        tl.store(PO + base[:, None] * D + d[None, :], out, mask=n_ok[:, None] & d_ok[None, :])
+        tl.store(PLSE + base, lse, mask=n_ok)
+
+    @triton.jit
+    def _prefix_unit(Q, PK, PV, PO, PLSE, u, h, H_kv, sq_b, sq_h, sq_l, sq_d, spk_h, spk_p, spk_d, spv_h, spv_p, spv_d,
+                     N, P, L_q, G, D, scale_log2, prefix_blocks, prefix_per,
+                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+                     IEEE: tl.constexpr, DOT_F32: tl.constexpr):
+        """Rows n = (b * G + g) * L_q + i of the whole batch against one split of the shared prefix -> slot split."""
+        rb, split = u % prefix_blocks, u // prefix_blocks
+        n = rb * BLOCK_M + tl.arange(0, BLOCK_M)
+        n_ok = n < N
+        b, g, i = n // (G * L_q), (n // L_q) % G, n % L_q
+        d = tl.arange(0, BLOCK_D)
+        d_ok = d < D
+        q = tl.load(Q + b[:, None] * sq_b + (h * G + g)[:, None] * sq_h + i[:, None] * sq_l + d[None, :] * sq_d,
+                    mask=n_ok[:, None] & d_ok[None, :], other=0.0)
+        lo = split * prefix_per * BLOCK_N
+        hi = tl.minimum(lo + prefix_per * BLOCK_N, P)
+        m, l, acc = _attend(q, PK + h * spk_h, PV + h * spv_h, spk_p, spk_d, spv_p, spv_d, lo, hi, 0, i,
+                            d, d_ok, scale_log2, BLOCK_M, BLOCK_N, BLOCK_D, False, IEEE, DOT_F32)
+        _store_partial(PO, PLSE, split, h, H_kv, N, n, n_ok, m, l, acc, d, d_ok, D)
+
+    @triton.jit
+    def _suffix_unit(Q, SK, SV, LENS, END, PO, PLSE, w, h, H_kv, sq_b, sq_h, sq_l, sq_d,
+                     ssk_b, ssk_h, ssk_s, ssk_d, ssv_b, ssv_h, ssv_s, ssv_d,
+                     N, L_q, L_s, G, D, scale_log2, prefix_splits, suffix_blocks, suffix_splits, suffix_per,
+                     HAS_LENS: tl.constexpr, HAS_END: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                     BLOCK_D: tl.constexpr, IEEE: tl.constexpr, DOT_F32: tl.constexpr):
+        """Row b's queries r = g * L_q + i against one split of its own suffix -> slot prefix_splits + split."""
+        rb, split, b = w % suffix_blocks, (w // suffix_blocks) % suffix_splits, w // (suffix_blocks * suffix_splits)
+        r = rb * BLOCK_M + tl.arange(0, BLOCK_M)
         r_ok = r < G * L_q
         g, i = r // L_q, r % L_q
         d = tl.arange(0, BLOCK_D)
         d_ok = d < D
         q = tl.load(Q + b * sq_b + (h * G + g)[:, None] * sq_h + i[:, None] * sq_l + d[None, :] * sq_d,
                     mask=r_ok[:, None] & d_ok[None, :], other=0.0)
-        q_pos = L_s - L_q + i  # each query's position inside the suffix
+        end = L_s
+        if HAS_END:  # a static buffer: only the first `end` positions are filled
+            end = tl.load(END).to(tl.int32)
         first = 0
-        if HAS_LENS:
-            first = tl.maximum(L_s - tl.load(LENS + b).to(tl.int32), 0)  # left padding ends here
-        # -- phase 2: the row's own suffix, causal, pads masked
-        m = tl.full([BLOCK_M], float("-inf"), tl.float32)
-        l = tl.zeros([BLOCK_M], tl.float32)
-        acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-        for n0 in range((first // BLOCK_N) * BLOCK_N, L_s, BLOCK_N):
-            cols = n0 + tl.arange(0, BLOCK_N)
-            col_ok = (cols < L_s) & (cols >= first)
-            k = tl.load(K + b * sk_b + h * sk_h + cols[None, :] * sk_s + d[:, None] * sk_d,
-                        mask=col_ok[None, :] & d_ok[:, None], other=0.0)
-            visible = col_ok[None, :] & (cols[None, :] <= q_pos[:, None])
-            s = tl.where(visible, _scores(q, k, scale_log2, IEEE, DOT_F32), float("-inf"))
-            v = tl.load(V + b * sv_b + h * sv_h + cols[:, None] * sv_s + d[None, :] * sv_d,
-                        mask=col_ok[:, None] & d_ok[None, :], other=0.0)
-            m, l, acc = _online_update(m, l, acc, s, v, IEEE, DOT_F32)
-        # -- phase 3: fold in the prefix partials by LSE (a partial with log2-LSE x counts as l=2^x, acc=o*2^x)
-        if HAS_PREFIX:
-            n = b * G * L_q + r
-            if MERGE_UNROLL > 0:  # unrolled: every split's loads can be in flight at once
-                for sp in tl.static_range(MERGE_UNROLL):
-                    live = r_ok & ((r * 0 + sp) < num_splits)
-                    base = (sp * tl.num_programs(1) + h) * N + n
-                    m, l, acc = _fold_partial(m, l, acc, PLSE, PO, base, live, d, d_ok, D)
-            else:
-                for sp in range(num_splits):
-                    base = (sp * tl.num_programs(1) + h) * N + n
-                    m, l, acc = _fold_partial(m, l, acc, PLSE, PO, base, r_ok, d, d_ok, D)
+        if HAS_LENS:  # left padding ends here
+            first = tl.maximum(end - tl.load(LENS + b).to(tl.int32), 0)
+        lo = split * suffix_per * BLOCK_N
+        hi = tl.minimum(lo + suffix_per * BLOCK_N, end)
+        lo = tl.maximum(lo, (first // BLOCK_N) * BLOCK_N)  # skip whole tiles of padding
+        m, l, acc = _attend(q, SK + b * ssk_b + h * ssk_h, SV + b * ssv_b + h * ssv_h, ssk_s, ssk_d, ssv_s, ssv_d,
+                            lo, hi, first, end - L_q + i, d, d_ok, scale_log2,
+                            BLOCK_M, BLOCK_N, BLOCK_D, True, IEEE, DOT_F32)
+        _store_partial(PO, PLSE, prefix_splits + split, h, H_kv, N, b * G * L_q + r, r_ok, m, l, acc, d, d_ok, D)
+
+    @triton.jit
+    def _partials_kernel(Q, PK, PV, SK, SV, LENS, END, PO, PLSE,
+                         sq_b, sq_h, sq_l, sq_d, spk_h, spk_p, spk_d, spv_h, spv_p, spv_d,
+                         ssk_b, ssk_h, ssk_s, ssk_d, ssv_b, ssv_h, ssv_s, ssv_d,
+                         N, P, L_q, L_s, G, D, scale_log2,
+                         prefix_blocks, prefix_splits, prefix_per, suffix_blocks, suffix_splits, suffix_per,
+                         HAS_LENS: tl.constexpr, HAS_END: tl.constexpr,
+                         BLOCK_MP: tl.constexpr, BLOCK_MS: tl.constexpr, BLOCK_N: tl.constexpr,
+                         BLOCK_D: tl.constexpr, IEEE: tl.constexpr, DOT_F32: tl.constexpr):
+        u, h = tl.program_id(0), tl.program_id(1)
+        H_kv = tl.num_programs(1)
+        # prefix units first (they share tiles through L2), then suffix units; both kinds in one wave
+        if u < prefix_blocks * prefix_splits:
+            _prefix_unit(Q, PK, PV, PO, PLSE, u, h, H_kv, sq_b, sq_h, sq_l, sq_d, spk_h, spk_p, spk_d,
+                         spv_h, spv_p, spv_d, N, P, L_q, G, D, scale_log2, prefix_blocks, prefix_per,
+                         BLOCK_MP, BLOCK_N, BLOCK_D, IEEE, DOT_F32)
+        else:
+            _suffix_unit(Q, SK, SV, LENS, END, PO, PLSE, u - prefix_blocks * prefix_splits, h, H_kv,
+                         sq_b, sq_h, sq_l, sq_d, ssk_b, ssk_h, ssk_s, ssk_d, ssv_b, ssv_h, ssv_s, ssv_d,
+                         N, L_q, L_s, G, D, scale_log2, prefix_splits, suffix_blocks, suffix_splits, suffix_per,
+                         HAS_LENS, HAS_END, BLOCK_MS, BLOCK_N, BLOCK_D, IEEE, DOT_F32)
+
+    @triton.jit
+    def _merge_kernel(PO, PLSE, O, so_b, so_h, so_l, so_d, N, L_q, G, D, slots,
+                      BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):
+        pid, h = tl.program_id(0), tl.program_id(1)
+        H_kv = tl.num_programs(1)
+        n = pid * BLOCK_R + tl.arange(0, BLOCK_R)
+        n_ok = n < N
+        d = tl.arange(0, BLOCK_D)
+        d_ok = d < D
+        m = tl.full([BLOCK_R], float("-inf"), tl.float32)
+        l = tl.zeros([BLOCK_R], tl.float32)
+        acc = tl.zeros([BLOCK_R, BLOCK_D], tl.float32)
+        for slot in range(slots):  # fixed order: bitwise reproducible
+            base = (slot * H_kv + h) * N + n
+            x = tl.load(PLSE + base, mask=n_ok, other=float("-inf")) * 1.4426950408889634
+            o = tl.load(PO + base[:, None] * D + d[None, :], mask=n_ok[:, None] & d_ok[None, :], other=0.0)
+            m_new = tl.maximum(m, x)
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+            alpha, beta = tl.exp2(m - m_safe), tl.exp2(x - m_safe)
+            m, l, acc = m_new, l * alpha + beta, acc * alpha[:, None] + o * beta[:, None]
         out = acc / tl.where(l == 0.0, 1.0, l)[:, None]
-        tl.store(O + b * so_b + (h * G + g)[:, None] * so_h + i[:, None] * so_l + d[None, :] * so_d,
-                 out.to(O.dtype.element_ty), mask=r_ok[:, None] & d_ok[None, :])
+        b, g, i = n // (G * L_q), (n // L_q) % G, n % L_q
+        tl.store(O + b[:, None] * so_b + (h * G + g)[:, None] * so_h + i[:, None] * so_l + d[None, :] * so_d,
+                 out.to(O.dtype.element_ty), mask=n_ok[:, None] & d_ok[None, :])
 
 
 def relay_attention_triton(query: torch.Tensor, prefix_key: torch.Tensor, prefix_value: torch.Tensor,
                            suffix_key: torch.Tensor, suffix_value: torch.Tensor, *, scale: float | None = None,
-                           suffix_lengths: torch.Tensor | None = None, out: torch.Tensor | None = None
-                           ) -> torch.Tensor:
+                           suffix_lengths: torch.Tensor | None = None, suffix_end: torch.Tensor | None = None,
+                           out: torch.Tensor | None = None) -> torch.Tensor:
     """Triton relay attention; contract of ``relay_hf.relay_attention``.
 
     ``out`` (optional) is a ``[B, H_q, L_q, D]`` tensor to write into; by default it is allocated as the transpose
     of a contiguous ``[B, L_q, H_q, D]`` buffer, so the HF seam's ``transpose(1, 2).contiguous()`` is free.
+    Scratch: fp32 partials ``[slots, H_kv, B*G*L_q, D]`` and LSEs ``[slots, H_kv, B*G*L_q]``.
     """
-    check_relay_inputs(query, prefix_key, prefix_value, suffix_key, suffix_value, suffix_lengths)
+    check_relay_inputs(query, prefix_key, prefix_value, suffix_key, suffix_value, suffix_lengths, suffix_end)
     B, H_q, L_q, D = query.shape
     H_kv, L_s, P = suffix_key.shape[1], suffix_key.shape[2], prefix_key.shape[2]
-    G = H_q // H_kv
+    G, N = H_q // H_kv, B * (H_q // H_kv) * L_q
     scale_log2 = (D ** -0.5 if scale is None else scale) * LOG2E
     ieee = query.dtype == torch.float32
     # the CPU interpreter's tl.dot cannot multiply bf16 (numpy has no bf16): upcast there, only there
     dot_f32 = query.dtype == torch.bfloat16 and os.environ.get("TRITON_INTERPRET") == "1"
     if out is None:
         out = torch.empty(B, L_q, H_q, D, dtype=query.dtype, device=query.device).transpose(1, 2)
-    N = B * G * L_q
-    splits = 0
-    po = plse = out  # placeholders, never read when there is no prefix
-    if P > 0:
-        block_d, block_n, warps, stages = _tile(PREFIX_TILES, D)
-        block_m = _block_m(N)
-        warps = max(warps, WIDE_M_WARPS) if block_m >= 128 else warps
-        splits, per = plan_splits(P, N, H_kv, block_m, block_n, _num_sms(query.device.index or 0))
-        po = torch.empty(splits, H_kv, N, D, dtype=torch.float32, device=query.device)
-        plse = torch.empty(splits, H_kv, N, dtype=torch.float32, device=query.device)
-        _prefix_kernel[(triton.cdiv(N, block_m), H_kv, splits)](
-            query, prefix_key, prefix_value, po, plse,
-            *query.stride(), *prefix_key.stride()[1:], *prefix_value.stride()[1:],
-            N, P, L_q, scale_log2, per, G, D,
-            BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d, IEEE=ieee, DOT_F32=dot_f32,
-            num_warps=warps, num_stages=stages)
-    block_d, block_n, warps, stages = _tile(SUFFIX_TILES, D)
-    block_m = _block_m(G * L_q)
-    lens = suffix_lengths if suffix_lengths is not None else out
-    _suffix_merge_kernel[(triton.cdiv(G * L_q, block_m), H_kv, B)](
-        query, suffix_key, suffix_value, lens, po, plse, out,
-        *query.stride(), *suffix_key.stride(), *suffix_value.stride(), *out.stride(),
-        N, L_q, L_s, splits, scale_log2, G, D,
-        HAS_LENS=suffix_lengths is not None, HAS_PREFIX=P > 0,
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d, IEEE=ieee, DOT_F32=dot_f32,
-        MERGE_UNROLL=triton.next_power_of_2(splits) if UNROLL_MERGE and splits else 0,
+    block_d, block_n, warps, stages = _tile(D)
+    sms = _num_sms(query.device.index or 0)
+    block_mp, block_ms = _block_m(N), _block_m(G * L_q)
+    p_blocks, s_blocks = triton.cdiv(N, block_mp), triton.cdiv(G * L_q, block_ms)
+    p_splits, p_per = plan_splits(P, N, H_kv, block_mp, block_n, sms)
+    s_splits, s_per = plan_suffix_splits(L_s, B * s_blocks, H_kv, block_n, sms)
+    slots = p_splits + s_splits
+    po = torch.empty(slots, H_kv, N, D, dtype=torch.float32, device=query.device)
+    plse = torch.empty(slots, H_kv, N, dtype=torch.float32, device=query.device)
+    lens = suffix_lengths if suffix_lengths is not None else plse  # placeholders, never read when absent
+    end = suffix_end if suffix_end is not None else plse
+    _partials_kernel[(p_blocks * p_splits + B * s_blocks * s_splits, H_kv)](
+        query, prefix_key, prefix_value, suffix_key, suffix_value, lens, end, po, plse,
+        *query.stride(), *prefix_key.stride()[1:], *prefix_value.stride()[1:],
+        *suffix_key.stride(), *suffix_value.stride(),
+        N, P, L_q, L_s, G, D, scale_log2, p_blocks, p_splits, p_per, s_blocks, s_splits, s_per,
+        HAS_LENS=suffix_lengths is not None, HAS_END=suffix_end is not None,
+        BLOCK_MP=block_mp, BLOCK_MS=block_ms, BLOCK_N=block_n, BLOCK_D=block_d, IEEE=ieee, DOT_F32=dot_f32,
         num_warps=warps, num_stages=stages)
+    rows, merge_warps = MERGE_TILE
+    _merge_kernel[(triton.cdiv(N, rows), H_kv)](po, plse, out, *out.stride(), N, L_q, G, D, slots,
+                                                BLOCK_R=rows, BLOCK_D=block_d, num_warps=merge_warps)
     return out
 
 
@@ -256,4 +299,4 @@ def bytes_moved(B: int, H_q: int, H_kv: int, L_q: int, P: int, L_s: int, D: int,
     return itemsize * (2 * H_kv * P * D + 2 * B * H_kv * L_s * D + 2 * B * H_q * L_q * D)
 
 
-__all__ = ["relay_attention_triton", "triton_available", "plan_splits", "bytes_moved"]
+__all__ = ["relay_attention_triton", "triton_available", "plan_splits", "plan_suffix_splits", "bytes_moved"]

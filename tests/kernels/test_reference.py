@@ -67,6 +67,8 @@ def test_merge_is_the_sigmoid_formula():
     (lambda a: a.update(prefix_value=a["prefix_value"].double()), "dtype"),
     (lambda a: a.update(suffix_lengths=torch.ones(2)), "suffix_lengths"),
     (lambda a: a.update(query=a["query"][:, :3]), "multiple"),
+    (lambda a: a.update(suffix_end=torch.tensor([2, 3])), "suffix_end"),
+    (lambda a: a.update(suffix_end=torch.tensor([2.0])), "suffix_end"),
 ])
 def test_bad_inputs_name_the_problem(bad, match):
     q, pk, pv, sk, sv, _ = make_inputs(2, 2, 2, 2, 4, 3, 8)
@@ -74,3 +76,15 @@ def test_bad_inputs_name_the_problem(bad, match):
     bad(args)
     with pytest.raises(ValueError, match=match):
         relay_attention_torch(**args)
+
+
+@pytest.mark.parametrize("L_q,P", [(1, 0), (1, 37), (3, 5)])
+def test_static_buffer_ignores_positions_past_suffix_end(L_q, P):
+    q, pk, pv, sk, sv, lengths = make_inputs(4, 2, 3, L_q, 12, P, 16, padded=True, seed=P + L_q)
+    end = torch.tensor([7])
+    lengths = lengths.clamp(max=7)
+    sk[:, :, 7:], sv[:, :, 7:] = 1e4, 1e4  # stale tail of a static buffer (zeros when fresh): must not count
+    out = relay_attention_torch(q, pk, pv, sk, sv, suffix_lengths=lengths, suffix_end=end)
+    ref = dense_reference(q, pk, pv, sk, sv, suffix_lengths=lengths, suffix_end=end)
+    assert torch.isfinite(out).all()
+    assert rel_err(out, ref) < 1e-5

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from relay_hf.kernels import triton_relay
-from relay_hf.kernels.triton_relay import plan_splits, relay_attention_triton
+from relay_hf.kernels.triton_relay import plan_splits, plan_suffix_splits, relay_attention_triton
 from tests.conftest import dense_reference, rel_err
 from tests.kernels.test_reference import make_inputs
 
@@ -18,10 +18,10 @@ TOL = {torch.float32: 1e-4, torch.float16: 1e-2, torch.bfloat16: 1e-2}
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
-def run_poisoned(q, pk, pv, sk, sv, lengths):
+def run_poisoned(q, pk, pv, sk, sv, lengths, end=None):
     B, H_q, L_q, D = q.shape
     out = torch.full((B, L_q, H_q, D), float("nan"), dtype=q.dtype, device=q.device).transpose(1, 2)
-    res = relay_attention_triton(q, pk, pv, sk, sv, suffix_lengths=lengths, out=out)
+    res = relay_attention_triton(q, pk, pv, sk, sv, suffix_lengths=lengths, suffix_end=end, out=out)
     assert res.data_ptr() == out.data_ptr()
     return res
 
@@ -52,17 +52,40 @@ def test_kernel_matches_reference(dtype, D, G, L_q, P, padded):
     check(3, 2, G, L_q, 9, P, D, dtype, padded, seed=D + G + P)
 
 
+@pytest.mark.parametrize("dtype,L_q,P", [(torch.float32, 1, 37), (torch.bfloat16, 3, 70), (torch.float16, 1, 0)])
+def test_static_buffer_reads_only_up_to_suffix_end(dtype, L_q, P):
+    """A preallocated suffix filled to ``end``: positions past it hold garbage (NaN here) and must not be read."""
+    q, pk, pv, sk, sv, lens = [t.to(DEVICE) if t is not None else None
+                               for t in make_inputs(3, 2, 4, L_q, 40, P, 64, dtype=dtype, padded=True, seed=P)]
+    end = torch.tensor([23], device=DEVICE)
+    lens = lens.clamp(max=23)
+    sk[:, :, 23:], sv[:, :, 23:] = float("nan"), float("nan")
+    out = run_poisoned(q, pk, pv, sk, sv, lens, end)
+    ref = dense_reference(q, pk, pv, sk, sv, suffix_lengths=lens, suffix_end=end)
+    assert torch.isfinite(out).all()
+    assert rel_err(out, ref) < TOL[dtype]
+
+
 def test_empty_row_without_prefix_is_zero():
     out, _ = check(2, 1, 2, 1, 5, 0, 64, torch.float32, padded=True)
     assert out[0].abs().max() == 0  # row 0 has no valid suffix token and there is no prefix
 
 
 def test_split_plan_fills_the_gpu_and_bounds_partials():
+    assert plan_splits(P=0, N=4, H_kv=8, block_m=16, block_n=64, num_sms=132)[0] == 0
     splits, per = plan_splits(P=4096, N=4, H_kv=8, block_m=16, block_n=64, num_sms=132)
     assert splits * 8 >= 132 and splits * per * 64 >= 4096
     splits, per = plan_splits(P=4096, N=128, H_kv=8, block_m=64, block_n=64, num_sms=132)
     assert splits * 128 * 4 <= 4096 and splits * per * 64 >= 4096
     assert plan_splits(P=10, N=512, H_kv=8, block_m=64, block_n=64, num_sms=132) == (1, 1)
+
+
+def test_suffix_splits_only_when_the_batch_leaves_sms_idle():
+    assert plan_suffix_splits(L_s=256, units=32, H_kv=8, block_n=64, num_sms=132) == (1, 4)
+    splits, per = plan_suffix_splits(L_s=256, units=1, H_kv=8, block_n=64, num_sms=132)
+    assert splits == 4 and per == 1  # B = 1: one tile per program
+    splits, per = plan_suffix_splits(L_s=1, units=1, H_kv=8, block_n=64, num_sms=132)
+    assert (splits, per) == (1, 1)
 
 
 # -- GPU: full sizes, determinism ------------------------------------------------------------------------------------
@@ -104,3 +127,24 @@ def test_op_compiles_and_captures_in_a_cuda_graph():
     q.normal_()
     graph.replay()
     assert torch.equal(captured, relay_attention(q, pk, pv, sk, sv, suffix_lengths=lens))
+
+
+@pytest.mark.gpu
+def test_captured_graph_follows_a_growing_suffix_end():
+    """The static-cache contract: a CUDA graph captured once replays correctly as ``end`` and the lengths grow."""
+    from relay_hf.kernels import relay_attention
+
+    q, pk, pv, sk, sv, lens = [t.cuda() for t in make_inputs(4, 2, 4, 1, 64, 300, 64, dtype=torch.bfloat16,
+                                                             padded=True, seed=6)]
+    end = torch.tensor(40, device="cuda")
+    lens = lens.clamp(max=40)
+    relay_attention(q, pk, pv, sk, sv, suffix_lengths=lens, suffix_end=end)  # compile outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = relay_attention(q, pk, pv, sk, sv, suffix_lengths=lens, suffix_end=end)
+    for _ in range(3):
+        end.add_(1)
+        lens.add_(1)
+        graph.replay()
+        ref = dense_reference(q, pk, pv, sk, sv, suffix_lengths=lens, suffix_end=end)
+        assert rel_err(captured, ref) < TOL[torch.bfloat16]

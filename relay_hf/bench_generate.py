@@ -66,6 +66,7 @@ class _Clock(BaseStreamer):
 
 
 MODES = ("stock", "prefix_reuse", "static", "relay", "relay_compiled")
+_LINESTYLE = {"relay": "-.", "relay_compiled": "-"}  # stock modes dashed
 
 
 def compile_config(backend: str):
@@ -154,7 +155,7 @@ def plot_generate(rows: list[dict], path: Path) -> None:
                                               key=lambda r: (r["mode"], r["B"])):
         group = list(group)
         ax.plot([r["S"] for r in group], [r["tok_per_s"] for r in group], marker="o",
-                linestyle="-" if mode.startswith("relay") else "--", label=f"{mode} B={B}")
+                linestyle=_LINESTYLE.get(mode, "--"), label=f"{mode} B={B}")
     ax.set(xscale="log", yscale="log", xlabel="system prompt length S", ylabel="generated tok/s",
            title="decode throughput")
     ax.grid(True, which="both", alpha=0.3)

@@ -45,7 +45,7 @@ SPLIT_WAVES = 2  # prefix units alone aim for this many programs per SM
 SUFFIX_WAVES = 1  # suffix units alone aim for this many programs per SM (split the suffix when B*H_kv is small)
 PARTIAL_BUDGET = 4  # keep fp32 prefix-partial traffic <= 1/PARTIAL_BUDGET of the prefix bytes
 MAX_SPLITS = 32
-MERGE_TILE = (4, 1)  # merge kernel: (rows per program, warps); tuned on the H200 (docs/kernel_notes.md)
+MERGE_TILE = (8, 2)  # merge kernel: (rows per program, warps); `bench kernel --tune` prefers (4, 1), see kernel_notes
 
 
 def triton_available() -> bool:

@@ -98,23 +98,83 @@ def test_compiled_relay_equals_eager_relay_on_gpu(smollm2, system_prompt, relay_
     assert torch.equal(eager, compiled)
 
 
+BF16_NOISE = 0.021  # four tokens of 192: the measured spread of bf16 agreement rates (see the CPU test)
+
+
+class _ForceTokens:
+    """Logits processor for teacher forcing: records the model's own greedy choice at every step, then forces the
+    token ``forced[:, step]`` so the next step sees the same history as the run being compared against."""
+
+    def __init__(self, forced: torch.Tensor, prompt_len: int):
+        self.forced, self.T, self.choices = forced, prompt_len, []
+
+    def __call__(self, input_ids, scores):
+        step = input_ids.shape[1] - self.T
+        self.choices.append(scores.argmax(-1))
+        forced = torch.full_like(scores, float("-inf"))
+        return forced.scatter_(1, self.forced[:, step:step + 1].to(scores.device), 0.0)
+
+
+def _forced_choices(model, batch, forced: torch.Tensor, **kwargs) -> torch.Tensor:
+    """The model's greedy choice at every step of ``generate`` when fed ``forced`` tokens ``[B, n]``."""
+    T, n = batch["input_ids"].shape[1], forced.shape[1]
+    force = _ForceTokens(forced, T)
+    model.generate(**batch, max_new_tokens=n, min_new_tokens=n, do_sample=False, logits_processor=[force], **kwargs)
+    return torch.stack(force.choices, 1).to(forced.device)
+
+
+def bf16_agreement(model, tokenizer, system_prompt, device, new_tokens: int, **relay_kwargs) -> dict:
+    """Fractions of greedy tokens equal to stock's batched run, bf16.
+
+    * ``relay_free``: relay's own greedy run vs stock's, position by position: after a first fork every later position
+      usually differs.
+    * ``relay_forced``: teacher forcing: relay is fed stock's tokens and its next-token choice is compared at every
+      step (agreement per token, without the cascade).
+    * ``stock_self_forced``: the same for stock run row by row (another batch composition, so other GEMM shapes and
+      roundings): the bf16 noise floor of stock itself.
+    """
+    batch = _chat_batch(tokenizer, system_prompt, device)
+    T = batch["input_ids"].shape[1]
+    stock = model.generate(**batch, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False)[:, T:]
+    per_row = []
+    for row, question in enumerate(QUESTIONS):
+        enc = tokenizer(render(tokenizer, system_prompt, question), return_tensors="pt").to(device)
+        per_row.append(_forced_choices(model, enc, stock[row:row + 1]))
+    relay_hf.patch(model)
+    try:
+        free = model.generate(**batch, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
+                              **relay_kwargs)[:, T:]
+        forced = _forced_choices(model, batch, stock, **relay_kwargs)
+        assert model.relay_last_decision.used
+    finally:
+        relay_hf.unpatch(model)
+    rate = lambda a: (a == stock).float().mean().item()  # noqa: E731
+    return dict(relay_free=rate(free), relay_forced=rate(forced), stock_self_forced=rate(torch.cat(per_row)))
+
+
+@pytest.mark.slow
+def test_bf16_relay_agrees_with_stock_as_well_as_stock_agrees_with_itself(smollm2, system_prompt):
+    """bf16 on CPU (the PyTorch relay path): exact in fp32, so in bf16 relay may differ from stock only about as much
+    as stock differs from itself under another batch composition. 192 forced tokens: one token is 0.5%, and the two
+    rates swap places between transformers releases (5.24: relay 0.984 vs stock 0.969; 5.17: 0.979 vs 0.990), so the
+    bound allows four tokens of noise; a real bf16 precision bug (e.g. a bf16 merge) lands far below it."""
+    import copy
+
+    model, tokenizer = smollm2
+    rates = bf16_agreement(copy.deepcopy(model).to(torch.bfloat16), tokenizer, system_prompt, "cpu", 32)
+    print(f"bf16 CPU agreement with stock's batched run: {rates}")
+    assert rates["relay_forced"] >= rates["stock_self_forced"] - BF16_NOISE
+
+
 @pytest.mark.gpu
-@pytest.mark.xfail(reason="measured 0.656 free-running agreement on the H200 (docs/performance.md); issue 5 target "
-                          "is 0.99", strict=False)
 def test_compiled_relay_agrees_with_stock_in_bf16_on_gpu(smollm2, system_prompt, relay_on_small_batches):
-    """bf16 rounding differs between relay (fp32 LSE merge) and SDPA, so greedy paths may fork; >= 99% must agree."""
+    """The same on the GPU path (Triton kernel, compiled decode). Session 2 measured only free-running agreement
+    there (0.656, docs/performance.md); this calibrated form has not run on a GPU yet."""
     import copy
 
     model, tokenizer = smollm2
     model = copy.deepcopy(model).to("cuda", torch.bfloat16)
     model.__dict__.pop("_compiled_call", None)  # a deepcopy would keep the original model's compiled forward
-    batch = _chat_batch(tokenizer, system_prompt, "cuda")
-    T = batch["input_ids"].shape[1]
-    stock = model.generate(**batch, max_new_tokens=64, min_new_tokens=64, do_sample=False)[:, T:]
-    relay_hf.patch(model)
-    relay = model.generate(**batch, max_new_tokens=64, min_new_tokens=64, do_sample=False,
-                           cache_implementation="static")[:, T:]
-    assert model.relay_last_decision.static
-    agreement = (stock == relay).float().mean().item()
-    print(f"bf16 greedy agreement relay-compiled vs stock: {agreement:.4f} over {stock.numel()} tokens")
-    assert agreement >= 0.99
+    rates = bf16_agreement(model, tokenizer, system_prompt, "cuda", 64, cache_implementation="static")
+    print(f"bf16 GPU agreement with stock's batched run: {rates}")
+    assert rates["relay_forced"] >= rates["stock_self_forced"] - BF16_NOISE

@@ -222,10 +222,11 @@ class StaticRelayLayer(RelayLayer):
         self._kbuf = key_states.new_zeros(B, H, self.max_suffix_length, D)
         self._vbuf = value_states.new_zeros(B, H, self.max_suffix_length, D)
         self._end = torch.zeros((), dtype=torch.int64, device=key_states.device)
-        pads = self.suffix_padding if self.suffix_padding is not None else torch.zeros(B, dtype=torch.int32)
-        if pads.shape != (B,):
-            raise ValueError(f"suffix_padding has shape {tuple(pads.shape)}, the batch has {B} rows")
-        self._lengths = -pads.to(device=key_states.device, dtype=torch.int32)
+        if self.suffix_padding is None:
+            self.suffix_padding = torch.zeros(B, dtype=torch.int32)
+        if self.suffix_padding.shape != (B,):
+            raise ValueError(f"suffix_padding has shape {tuple(self.suffix_padding.shape)}, the batch has {B} rows")
+        self._lengths = -self.suffix_padding.to(device=key_states.device, dtype=torch.int32)
         if not is_torchdynamo_compiling():  # fixed addresses, so CUDA graphs replay in place (as in StaticLayer)
             for t in (self.prefix_keys, self.prefix_values, self._kbuf, self._vbuf, self._end, self._lengths):
                 torch._dynamo.mark_static_address(t)
@@ -258,7 +259,7 @@ class StaticRelayLayer(RelayLayer):
             self._kbuf.zero_()
             self._vbuf.zero_()
             self._end.zero_()
-            self._lengths.copy_(-self.suffix_padding.to(self._lengths) if self.suffix_padding is not None else 0)
+            self._lengths.copy_(-self.suffix_padding.to(self._lengths))
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         if self.is_initialized:  # in place: the addresses a CUDA graph captured must stay valid

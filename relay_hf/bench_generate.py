@@ -1,18 +1,19 @@
 """``python -m relay_hf.bench generate``: end-to-end greedy ``generate`` on a random-init model (no download).
 
 Workload (same as ``shared/anchors/h200_stock_hf_e2e.json``): a system prompt of S tokens + a 64-token user prompt
-per row, B rows, greedy. Per mode: time to first token (TTFT, prefill included), median decode step (timed per token
-through a streamer), generated tok/s, peak memory. Modes:
+per row, B rows, greedy. Per mode: time to first token (TTFT: a 1-token call, prefill included), decode step (a
+``new_tokens`` call minus the 1-token call, over ``new_tokens - 1``: every step counted, no streamer syncing each
+token), generated tok/s, peak memory. Modes:
 
 * ``stock``: plain ``generate`` (DynamicCache, eager).
 * ``prefix_reuse``: the documented transformers recipe: the system prompt prefilled once into a DynamicCache
   (not timed), then per call a deepcopy expanded to the batch (timed) and ``generate``.
 * ``static``: ``cache_implementation="static"``: transformers' compiled decode path (``--compile-backend``).
 * ``relay``: ``relay_hf.patch``, eager.
-* ``relay_compiled``: ``relay_hf.patch`` + ``cache_implementation="static"``: a static RelayCache on transformers'
-  compiled decode path.
+* ``relay_compiled``: ``relay_hf.patch`` + ``cache_implementation="static"``: a static RelayCache, decoded by
+  relay_hf's loop (the step compiled and captured as one CUDA graph, no host sync per token).
 
-Each point runs one warm-up call (compilation, CUDA-graph recording, allocator) before the timed call.
+Each point runs warm-up calls (compilation, CUDA-graph capture, allocator) before the timed calls.
 """
 
 from __future__ import annotations
@@ -24,7 +25,6 @@ from pathlib import Path
 
 import torch
 from tqdm import tqdm
-from transformers.generation.streamers import BaseStreamer
 
 SHAPES = {
     "llama3-8b": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
@@ -51,20 +51,6 @@ def build_model(shape: str, device: str, dtype: torch.dtype, max_positions: int)
     return model
 
 
-class _Clock(BaseStreamer):
-    """Timestamps every ``put``: generate puts the prompt, then each new token (after a device->host copy, so the
-    timestamps follow the device)."""
-
-    def __init__(self):
-        self.times = []
-
-    def put(self, value):
-        self.times.append(time.perf_counter())
-
-    def end(self):
-        pass
-
-
 MODES = ("stock", "prefix_reuse", "static", "relay", "relay_compiled")
 _LINESTYLE = {"relay": "-.", "relay_compiled": "-"}  # stock modes dashed
 
@@ -75,15 +61,25 @@ def compile_config(backend: str):
     return CompileConfig(fullgraph=True, backend=backend, mode="reduce-overhead" if backend == "inductor" else None)
 
 
-def _clocked(model, ids, new_tokens: int, make_kwargs) -> tuple[float, float]:
-    """(time to first token in s, median decode step in s) of one greedy generate call; ``make_kwargs()`` runs inside
-    the timed region (the prefix-reuse copy belongs to the call)."""
-    clock = _Clock()
+def _timed_generate(model, ids, new_tokens: int, make_kwargs) -> float:
+    """Seconds of one greedy generate call making exactly ``new_tokens`` tokens; ``make_kwargs()`` runs inside the
+    timed region (the prefix-reuse copy belongs to the call)."""
     start = time.perf_counter()
     model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens, min_new_tokens=new_tokens,
-                   do_sample=False, streamer=clock, **make_kwargs())
-    steps = [b - a for a, b in zip(clock.times[1:], clock.times[2:])]
-    return clock.times[1] - start, statistics.median(steps)
+                   do_sample=False, **make_kwargs())
+    if ids.is_cuda:
+        torch.cuda.synchronize()
+    return time.perf_counter() - start
+
+
+def _clocked(model, ids, new_tokens: int, make_kwargs, reps: int = 1) -> tuple[float, float]:
+    """(time to first token in s, mean decode step in s): a 1-token call is the first token (prefill included); a
+    ``new_tokens`` call minus it, over ``new_tokens - 1``, is the decode step (medians of ``reps`` alternating pairs).
+    No streamer: a per-token host sync would itself be part of what is measured."""
+    pairs = [(_timed_generate(model, ids, 1, make_kwargs), _timed_generate(model, ids, new_tokens, make_kwargs))
+             for _ in range(reps)]
+    first, total = (statistics.median(p[i] for p in pairs) for i in (0, 1))
+    return first, (total - first) / (new_tokens - 1)
 
 
 def _mode_kwargs(model, mode: str, system: torch.Tensor, B: int, backend: str):
@@ -116,7 +112,7 @@ def _mode_kwargs(model, mode: str, system: torch.Tensor, B: int, backend: str):
     return dict
 
 
-def generate_case(model, mode: str, S: int, B: int, user: int = 64, new_tokens: int = 24,
+def generate_case(model, mode: str, S: int, B: int, user: int = 64, new_tokens: int = 24, reps: int = 3,
                   backend: str = "inductor") -> dict:
     """One (mode, S, B) point; ``mode`` is one of ``MODES``."""
     g = torch.Generator().manual_seed(S * 131 + B)
@@ -132,16 +128,16 @@ def generate_case(model, mode: str, S: int, B: int, user: int = 64, new_tokens: 
         make_kwargs = _mode_kwargs(model, mode, system, B, backend)
         with torch.no_grad():
             start = time.perf_counter()
-            _clocked(model, ids, 3, make_kwargs)  # warm-up (compilation, CUDA graphs, allocator)
+            _clocked(model, ids, new_tokens, make_kwargs)  # warm-up: compile (both cache sizes), capture, allocator
             warmup = time.perf_counter() - start
-            ttft, step = _clocked(model, ids, new_tokens, make_kwargs)
+            ttft, step = _clocked(model, ids, new_tokens, make_kwargs, reps)
     except torch.OutOfMemoryError:
         return dict(row, ttft_s=float("nan"), step_ms=float("nan"), tok_per_s=float("nan"), peak_GiB=float("inf"),
-                    warmup_s=float("nan"), relay_used=False)
+                    warmup_s=float("nan"), relay_used=False, relay_loop=False)
     decision = getattr(model, "relay_last_decision", None)
     return dict(row, ttft_s=ttft, step_ms=step * 1e3, tok_per_s=B / step,
                 peak_GiB=torch.cuda.max_memory_allocated() / 2**30 if cuda else float("nan"), warmup_s=warmup,
-                relay_used=bool(decision and decision.used))
+                relay_used=bool(decision and decision.used), relay_loop=bool(decision and decision.fast_decode))
 
 
 def plot_generate(rows: list[dict], path: Path) -> None:
@@ -174,7 +170,8 @@ def run_generate(args) -> None:
     rows = []
     for mode, S, B in (bar := tqdm(grid, desc="generate")):
         bar.set_postfix_str(f"{mode} S={S} B={B}")
-        rows.append(generate_case(model, mode, S, B, new_tokens=args.new_tokens, backend=args.compile_backend))
+        rows.append(generate_case(model, mode, S, B, new_tokens=args.new_tokens, reps=args.reps,
+                                  backend=args.compile_backend))
     print_table(rows)
     name = f"generate_{args.model_shape}_{'_'.join(args.modes)}"
     write_outputs(rows, args.out, name)
@@ -189,6 +186,7 @@ def add_generate_parser(sub) -> None:
     p.add_argument("--modes", nargs="+", default=["stock", "relay"], choices=MODES)
     p.add_argument("--compile-backend", default="inductor", help="torch.compile backend of the compiled modes")
     p.add_argument("--new-tokens", type=int, default=24)
+    p.add_argument("--reps", type=int, default=3, help="timed (1-token, new-tokens) call pairs per point; medians")
     p.add_argument("--device", default=None)
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
     p.add_argument("--out", type=Path, default=Path("bench_out"))

@@ -16,6 +16,7 @@ from transformers.generation.streamers import BaseStreamer
 
 from ._compat import cache_kwarg_name
 from .cache import ATTN_NAME, STATIC_ATTN_NAME, RelayCache
+from .decode import fast_generate, fast_reason
 from .dispatch import relay_pays
 from .prefix import (
     common_prefix_length,
@@ -51,13 +52,16 @@ class RelayFallbackWarning(UserWarning):
 @dataclass
 class RelayDecision:
     """What the last patched ``generate`` call did. ``used``: relay attention served it; ``reason``: why not;
-    ``static``: it ran on a static (compileable) ``RelayCache``."""
+    ``static``: it ran on a static (compileable) ``RelayCache``; ``fast_decode``: relay_hf's own decode loop (one CUDA
+    graph per step, no host sync per token) ran it, else transformers' loop did (``loop_reason`` says why)."""
 
     used: bool
     reason: str
     prefix_length: int = 0
     rows: int = 0
     static: bool = False
+    fast_decode: bool = False
+    loop_reason: str = ""
 
 
 class _StockView:
@@ -228,6 +232,16 @@ def _run_relay(model, stock, call: dict, plan: dict):
     call["attention_mask"] = mask.gather(1, perm)
     call[cache_kwarg_name(model)] = cache
     _wrap_user_hooks(call, inv)
+    if static:
+        gen = _resolved_config(model, call)
+        why = fast_reason(model, gen, call, plan["T"])
+        model.relay_last_decision.loop_reason = why or "relay_hf decode loop"
+        if why is None:
+            model.relay_last_decision.fast_decode = True
+            with _attention(model, STATIC_ATTN_NAME), torch.no_grad():
+                out = fast_generate(model, ids.gather(1, perm), call["attention_mask"], cache, gen,
+                                    call.get("streamer"), _compile_config(model, gen))
+            return to_stock_layout(out, inv)
     out = _stock_generate(model, stock, ids.gather(1, perm), call, static=static)
     sequences = out if isinstance(out, torch.Tensor) else out.sequences
     sequences = to_stock_layout(sequences, inv)
@@ -246,9 +260,19 @@ def _static_cache(model, base: RelayCache, plan: dict) -> RelayCache:
     if pooled is not None and pooled.can_refill(base, plan["rows"], cap):
         pooled.refill(base, pads.to(base.prefix_device))
         return pooled
-    model._relay_state.static_cache = None  # free the old buffers before allocating new ones
+    model._relay_state.static_cache = model._relay_state.stepper = None  # free the old buffers (and graph) first
     model._relay_state.static_cache = base.fork(max_suffix_length=cap, suffix_padding=pads)
     return model._relay_state.static_cache
+
+
+def _compile_config(model, gen):
+    """The ``CompileConfig`` transformers would compile the decode step with, or ``None`` where it would not."""
+    from transformers import CompileConfig
+
+    if gen.disable_compile:
+        return None
+    config = gen.compile_config or CompileConfig()
+    return config if model.device.type == "cuda" or config._compile_all_devices else None
 
 
 @contextlib.contextmanager

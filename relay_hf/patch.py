@@ -36,6 +36,7 @@ class _RelayState:
     min_prefix_length: int
     unsupported: str | None
     static_cache: object = None  # the last static RelayCache, refilled by the next call of the same shapes
+    stepper: object = None  # the last decode step of relay_hf's loop (compiled, CUDA graph) on that cache
 
 
 def unsupported_reason(model) -> str | None:

@@ -83,19 +83,25 @@ def _chat_batch(tokenizer, system_prompt, device):
 
 @pytest.mark.gpu
 def test_compiled_relay_equals_eager_relay_on_gpu(smollm2, system_prompt, relay_on_small_batches):
-    """fp32: transformers' compiled decode (inductor + CUDA graphs) over a static RelayCache == the eager relay path."""
+    """fp32, static RelayCache: relay_hf's decode loop (step compiled by inductor, captured as one CUDA graph) and
+    transformers' compiled loop (inductor + CUDA graphs; asked for through ``return_dict_in_generate``) both give the
+    eager relay path's tokens."""
     model, tokenizer = smollm2
     batch = _chat_batch(tokenizer, system_prompt, "cuda")
     relay_hf.patch(model.cuda())
     try:
         eager = model.generate(**batch, max_new_tokens=32, do_sample=False)
         assert not model.relay_last_decision.static
-        compiled = model.generate(**batch, max_new_tokens=32, do_sample=False, cache_implementation="static")
-        assert model.relay_last_decision.static and hasattr(model, "_compiled_call")
+        graphed = model.generate(**batch, max_new_tokens=32, do_sample=False, cache_implementation="static")
+        assert model.relay_last_decision.fast_decode and model._relay_state.stepper.graph is not None
+        again = model.generate(**batch, max_new_tokens=32, do_sample=False, cache_implementation="static")
+        hf_loop = model.generate(**batch, max_new_tokens=32, do_sample=False, cache_implementation="static",
+                                 return_dict_in_generate=True).sequences
+        assert not model.relay_last_decision.fast_decode and hasattr(model, "_compiled_call")
     finally:
         relay_hf.unpatch(model)
         model.cpu()
-    assert torch.equal(eager, compiled)
+    assert torch.equal(eager, graphed) and torch.equal(eager, again) and torch.equal(eager, hf_loop)
 
 
 BF16_NOISE = 0.021  # four tokens of 192: the measured spread of bf16 agreement rates (see the CPU test)

@@ -13,8 +13,8 @@ split when the batch is small), a second tiny launch merges them by LSE.
    Both kinds run in the same wave, so the prefix and suffix reads overlap. Each writes a normalised fp32 partial
    output and its natural-log LSE into its own slot: prefix split ``s`` -> slot ``s``, suffix split ``t`` -> slot
    ``prefix_splits + t``.
-2. ``_merge_kernel`` — grid ``(row blocks, H_kv)``: folds the slots of each row in a fixed order (deterministic, no
-   atomics) and writes the output once, in the input dtype.
+2. ``_merge_kernel`` — grid ``(row blocks, H_kv)``: loads every slot of its rows in one tile, weights them by LSE
+   (fixed reduction trees: deterministic, no atomics) and writes the output once, in the input dtype.
 
 Tensor contract (see ``relay_hf.relay_attention``): ``query [B, H_q, L_q, D]``, ``prefix_* [1, H_kv, P, D]``,
 ``suffix_* [B, H_kv, L_s, D]``, ``suffix_lengths [B]`` int or None, ``suffix_end`` one-element int tensor or None.
@@ -41,11 +41,11 @@ LOG2E = 1.4426950408889634
 # --- tile configs and work split, in one visible place -------------------------------------------------------------
 TILES = {64: (64, 4, 3), 128: (64, 4, 3), 256: (32, 8, 2)}  # head dim -> (BLOCK_N keys per tile, warps, stages)
 MAX_BLOCK_M = 64  # query rows per prefix program; small batches use the smallest tl.dot tile (16)
-SPLIT_WAVES = 2  # prefix units alone aim for this many programs per SM
+SPLIT_WAVES = 4  # prefix units alone aim for this many programs per SM
 SUFFIX_WAVES = 1  # suffix units alone aim for this many programs per SM (split the suffix when B*H_kv is small)
-PARTIAL_BUDGET = 4  # keep fp32 prefix-partial traffic <= 1/PARTIAL_BUDGET of the prefix bytes
+PARTIAL_BUDGET = 2  # keep fp32 prefix-partial traffic <= 1/PARTIAL_BUDGET of the prefix bytes
 MAX_SPLITS = 32
-MERGE_TILE = (8, 2)  # merge kernel: (rows per program, warps); `bench kernel --tune` prefers (4, 1), see kernel_notes
+MERGE_TILE = (16, 2)  # merge kernel: (rows x slots per program, warps); a program merges max(1, 16 // slots) rows
 
 
 def triton_available() -> bool:
@@ -225,25 +225,25 @@ if triton is not None:
 
     @triton.jit
     def _merge_kernel(PO, PLSE, O, so_b, so_h, so_l, so_d, N, L_q, G, D, slots,
-                      BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):
+                      BLOCK_R: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr):
+        """Rows ``n`` of head ``h``: all ``slots`` partials at once as a ``[BLOCK_R, BLOCK_S, BLOCK_D]`` tile (one
+        round trip to memory instead of a dependent chain per slot), weighted by ``exp(lse - max lse)``; the sums are
+        fixed reduction trees, so the result is bitwise reproducible."""
         pid, h = tl.program_id(0), tl.program_id(1)
         H_kv = tl.num_programs(1)
         n = pid * BLOCK_R + tl.arange(0, BLOCK_R)
-        n_ok = n < N
+        s = tl.arange(0, BLOCK_S)
         d = tl.arange(0, BLOCK_D)
-        d_ok = d < D
-        m = tl.full([BLOCK_R], float("-inf"), tl.float32)
-        l = tl.zeros([BLOCK_R], tl.float32)
-        acc = tl.zeros([BLOCK_R, BLOCK_D], tl.float32)
-        for slot in range(slots):  # fixed order: bitwise reproducible
-            base = (slot * H_kv + h) * N + n
-            x = tl.load(PLSE + base, mask=n_ok, other=float("-inf")) * 1.4426950408889634
-            o = tl.load(PO + base[:, None] * D + d[None, :], mask=n_ok[:, None] & d_ok[None, :], other=0.0)
-            m_new = tl.maximum(m, x)
-            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-            alpha, beta = tl.exp2(m - m_safe), tl.exp2(x - m_safe)
-            m, l, acc = m_new, l * alpha + beta, acc * alpha[:, None] + o * beta[:, None]
-        out = acc / tl.where(l == 0.0, 1.0, l)[:, None]
+        n_ok, d_ok = n < N, d < D
+        ok = n_ok[:, None] & (s < slots)[None, :]  # [BLOCK_R, BLOCK_S]
+        base = (s[None, :] * H_kv + h) * N + n[:, None]
+        x = tl.load(PLSE + base, mask=ok, other=float("-inf")) * 1.4426950408889634
+        o = tl.load(PO + base[:, :, None] * D + d[None, None, :], mask=ok[:, :, None] & d_ok[None, None, :],
+                    other=0.0)  # [BLOCK_R, BLOCK_S, BLOCK_D]
+        m = tl.max(x, 1)
+        w = tl.exp2(x - tl.where(m == float("-inf"), 0.0, m)[:, None])  # empty slots: exp2(-inf) = 0
+        l = tl.sum(w, 1)
+        out = tl.sum(o * w[:, :, None], 1) / tl.where(l == 0.0, 1.0, l)[:, None]
         b, g, i = n // (G * L_q), (n // L_q) % G, n % L_q
         tl.store(O + b[:, None] * so_b + (h * G + g)[:, None] * so_h + i[:, None] * so_l + d[None, :] * so_d,
                  out.to(O.dtype.element_ty), mask=n_ok[:, None] & d_ok[None, :])
@@ -288,9 +288,11 @@ def relay_attention_triton(query: torch.Tensor, prefix_key: torch.Tensor, prefix
         HAS_LENS=suffix_lengths is not None, HAS_END=suffix_end is not None,
         BLOCK_MP=block_mp, BLOCK_MS=block_ms, BLOCK_N=block_n, BLOCK_D=block_d, IEEE=ieee, DOT_F32=dot_f32,
         num_warps=warps, num_stages=stages)
-    rows, merge_warps = MERGE_TILE
+    tile, merge_warps = MERGE_TILE
+    block_s = triton.next_power_of_2(slots)
+    rows = max(1, tile // block_s)
     _merge_kernel[(triton.cdiv(N, rows), H_kv)](po, plse, out, *out.stride(), N, L_q, G, D, slots,
-                                                BLOCK_R=rows, BLOCK_D=block_d, num_warps=merge_warps)
+                                                BLOCK_R=rows, BLOCK_S=block_s, BLOCK_D=block_d, num_warps=merge_warps)
     return out
 
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from relay_hf.kernels import triton_relay
-from relay_hf.kernels.triton_relay import plan_splits, plan_suffix_splits, relay_attention_triton
+from relay_hf.kernels.triton_relay import PARTIAL_BUDGET, plan_splits, plan_suffix_splits, relay_attention_triton
 from tests.conftest import dense_reference, rel_err
 from tests.kernels.test_reference import make_inputs
 
@@ -76,7 +76,7 @@ def test_split_plan_fills_the_gpu_and_bounds_partials():
     splits, per = plan_splits(P=4096, N=4, H_kv=8, block_m=16, block_n=64, num_sms=132)
     assert splits * 8 >= 132 and splits * per * 64 >= 4096
     splits, per = plan_splits(P=4096, N=128, H_kv=8, block_m=64, block_n=64, num_sms=132)
-    assert splits * 128 * 4 <= 4096 and splits * per * 64 >= 4096
+    assert splits * 128 * PARTIAL_BUDGET <= 4096 and splits * per * 64 >= 4096
     assert plan_splits(P=10, N=512, H_kv=8, block_m=64, block_n=64, num_sms=132) == (1, 1)
 
 

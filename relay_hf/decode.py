@@ -1,0 +1,227 @@
+"""relay_hf's own greedy decode loop over a static ``RelayCache``: one decode step (forward, argmax, EOS bookkeeping)
+is compiled and captured as ONE CUDA graph, and the steps are replayed back to back with no host sync.
+
+Why: transformers' ``generate`` loop synchronises with the GPU after every token (``this_peer_finished``, the
+streamer) and its compiled call re-checks every cache tensor before each CUDA-graph replay, so on an H200 the GPU
+idles ~3 ms of a ~9 ms Llama-3-8B step (docs/performance.md). Here the host only looks every ``CHUNK`` steps.
+
+The loop serves exactly what it can reproduce token for token: greedy search with no logits processors and no
+stopping criteria besides ``max_new_tokens`` / ``max_length`` and EOS, output as a plain ``LongTensor``
+(``fast_reason`` says why anything else goes to transformers' own loop, which then runs on the same static cache).
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import torch
+from transformers import GenerationConfig
+
+from ._compat import cache_kwarg_name
+
+CHUNK = 16  # decode steps between host looks (EOS: all rows done?; streamer puts)
+
+# generation_config fields that add a logits processor or a stopping criterion unless they hold these values
+_NEUTRAL = {
+    "do_sample": (False,), "num_beams": (None, 1), "num_return_sequences": (None, 1), "num_beam_groups": (None, 1),
+    "repetition_penalty": (None, 1.0), "encoder_repetition_penalty": (None, 1.0), "guidance_scale": (None, 1.0),
+    "exponential_decay_length_penalty": (None,), "suppress_tokens": (None,), "begin_suppress_tokens": (None,),
+    "forced_bos_token_id": (None,), "forced_eos_token_id": (None,), "renormalize_logits": (None, False),
+    "remove_invalid_values": (None, False), "max_time": (None,), "stop_strings": (None,),
+    "return_dict_in_generate": (None, False), "output_scores": (None, False), "output_logits": (None, False),
+    "diversity_penalty": (None, 0.0), "synced_gpus": (None, False),
+}
+# generate() arguments that are not generation_config fields and that the loop handles (or that must be empty)
+_GENERATE_ARGS = {"inputs", "input_ids", "attention_mask", "generation_config", "streamer", "logits_processor",
+                  "stopping_criteria", "use_model_defaults", "tokenizer", "cache", "past_key_values",
+                  "synced_gpus", "compile_config"}
+
+
+def fast_reason(model, gen: GenerationConfig, call: dict, T: int) -> str | None:
+    """Why this call cannot run on relay_hf's decode loop (then transformers' loop runs it), or ``None``."""
+    for key, neutral in _NEUTRAL.items():
+        if getattr(gen, key, None) not in neutral:
+            return f"{key}={getattr(gen, key)!r}"
+    for key in ("logits_processor", "stopping_criteria"):
+        if call.get(key):
+            return f"a user {key}"
+    extra = sorted(k for k, v in call.items() if v is not None and k not in _GENERATE_ARGS and not hasattr(gen, k))
+    if extra:
+        return f"model kwargs {extra}"
+    if _new_tokens(gen, T) < 1:
+        return "no new tokens"
+    if getattr(model, "hf_quantizer", None) is not None and not model.hf_quantizer.is_compileable:
+        return "a quantizer that cannot compile"
+    if len(set(getattr(model, "hf_device_map", {"": 0}).values())) > 1:
+        return "a model spread over several devices"
+    return None
+
+
+def _new_tokens(gen: GenerationConfig, T: int) -> int:
+    return gen.max_new_tokens if gen.max_new_tokens is not None else gen.max_length - T
+
+
+def _greedy(logits: torch.Tensor, k: torch.Tensor, eos) -> torch.Tensor:
+    """Stock's greedy choice from ``logits [R, V]``: fp32 argmax, EOS banned while ``k`` (0-d int64, tokens made so
+    far) is below ``min_k`` (``min_new_tokens`` / ``min_length``, as stock's processors do). ``eos``: ``None`` or
+    ``(ids [E] int64, min_k 0-d int64, columns [V] bool)``."""
+    scores = logits.float()
+    if eos is not None:
+        scores = scores.masked_fill(eos[2] & (k < eos[1]), float("-inf"))
+    return scores.argmax(-1)
+
+
+def _decode_step(model, name: str, cache, tok, pos, k, unfinished, eos, pad) -> None:
+    """One greedy step in place: ``tok [R, 1]`` int64 (in: last token, out: next), ``pos [R, 1]`` int64 its
+    position, ``k`` 0-d int64 tokens made so far, ``unfinished [R]`` bool, ``eos`` as in ``_greedy``, ``pad`` 0-d
+    int64; exactly stock's bookkeeping."""
+    logits = model(input_ids=tok, position_ids=pos, use_cache=True, logits_to_keep=1, **{name: cache}).logits
+    nxt = _greedy(logits[:, -1, :], k, eos)
+    if eos is not None:
+        nxt = torch.where(unfinished, nxt, pad)
+        unfinished.logical_and_(~torch.isin(nxt, eos[0]))
+    tok.copy_(nxt[:, None])
+    pos.add_(1)
+    k.add_(1)
+
+
+class _Stepper:
+    """Runs ``_decode_step`` for one static cache and batch: compiled (``compile_config``), and on CUDA captured as
+    a CUDA graph after two warm-up steps. Kept on the model with its buffers, so the next call with the same pooled
+    cache replays the same graph."""
+
+    def __init__(self, model, cache, rows: int, eos, pad, compile_config):
+        device = model.device
+        self.key = _key(cache, rows, eos, pad, compile_config)
+        self.model, self.cache, self.name, self.eos, self.pad = model, cache, cache_kwarg_name(model), eos, pad
+        self.tok = torch.zeros(rows, 1, dtype=torch.long, device=device)  # [R, 1] graph inputs and outputs
+        self.pos = torch.zeros_like(self.tok)
+        self.k = torch.zeros((), dtype=torch.long, device=device)
+        self.unfinished = torch.ones(rows, dtype=torch.bool, device=device)
+        self.fn, self.graph, self.warm = _decode_step, None, 0
+        self.capture = device.type == "cuda" and compile_config is not None
+        if compile_config is not None:
+            mode = {"reduce-overhead": None, "max-autotune": "max-autotune-no-cudagraphs"}.get(compile_config.mode,
+                                                                                              compile_config.mode)
+            self.fn = torch.compile(_decode_step, fullgraph=compile_config.fullgraph, dynamic=False,
+                                    backend=compile_config.backend, mode=mode, options=compile_config.options)
+
+    def _run(self) -> None:
+        self.fn(self.model, self.name, self.cache, self.tok, self.pos, self.k, self.unfinished, self.eos, self.pad)
+
+    def __call__(self) -> None:
+        if self.graph is not None:
+            self.graph.replay()
+        elif not self.capture or self.warm < 2:  # warm-up steps are real steps (compile, autotune, allocator)
+            self._eager_step()
+        else:
+            try:
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph):  # records only: nothing runs, so a failure leaves the state intact
+                    self._run()
+            except Exception as err:  # noqa: BLE001 - decode on without the graph rather than lose the call
+                warnings.warn(f"relay_hf: capturing the decode step failed ({type(err).__name__}: {err}); "
+                              "decoding without a CUDA graph", RuntimeWarning, stacklevel=3)
+                self.capture = False
+                self._run()
+                return
+            self.graph = graph
+            graph.replay()
+
+    def _eager_step(self) -> None:
+        try:
+            if self.capture:
+                side = torch.cuda.Stream()
+                side.wait_stream(torch.cuda.current_stream())
+                with torch.cuda.stream(side):
+                    self._run()
+                torch.cuda.current_stream().wait_stream(side)
+            else:
+                self._run()
+            self.warm += 1
+        except Exception as err:  # noqa: BLE001 - a compile failure must not lose the user's call
+            # dynamo / inductor fail while compiling, before the step runs, so running it eagerly now is one step
+            if self.fn is _decode_step:
+                raise
+            warnings.warn(f"relay_hf: compiling the decode step failed ({type(err).__name__}: {err}); decoding "
+                          "eagerly", RuntimeWarning, stacklevel=4)
+            self.fn, self.capture = _decode_step, False
+            self._run()
+
+
+def _key(cache, rows: int, eos, pad, compile_config) -> tuple:
+    """What a kept ``_Stepper`` must match to be replayed: its graph bakes in all of these."""
+    compiled = None if compile_config is None else repr(compile_config.to_dict())
+    return id(cache), rows, None if eos is None else (tuple(eos[0].tolist()), int(eos[1])), int(pad), compiled
+
+
+def _stepper(model, cache, rows: int, eos, pad, compile_config) -> _Stepper:
+    key = _key(cache, rows, eos, pad, compile_config)
+    old = model._relay_state.stepper
+    if old is not None and old.key == key and old.cache is cache:
+        return old
+    model._relay_state.stepper = None  # free the old graph's pool first
+    model._relay_state.stepper = _Stepper(model, cache, rows, eos, pad, compile_config)
+    return model._relay_state.stepper
+
+
+def _stop_length(tokens: torch.Tensor, eos: torch.Tensor) -> int:
+    """How many of ``tokens [R, n]`` stock generate keeps: it stops after the step at which every row has had EOS."""
+    hit = torch.isin(tokens, eos)
+    if not bool(hit.any(1).all()):
+        return tokens.shape[1]
+    return int(hit.int().argmax(1).max()) + 1
+
+
+def _eos(model, gen: GenerationConfig, T: int):
+    """``(ids [E] int64, min_k 0-d int64, columns [V] bool)`` on the model's device, or ``None`` without EOS."""
+    if gen.eos_token_id is None:
+        return None
+    ids = torch.tensor(gen.eos_token_id, device=model.device).reshape(-1)
+    min_k = torch.tensor(max(gen.min_new_tokens or 0, (gen.min_length or 0) - T), device=model.device)
+    columns = torch.zeros(model.get_output_embeddings().weight.shape[0], dtype=torch.bool, device=model.device)
+    return ids, min_k, columns.index_fill_(0, ids, True)
+
+
+def fast_generate(model, ids: torch.Tensor, mask: torch.Tensor, cache, gen: GenerationConfig, streamer=None,
+                  compile_config=None) -> torch.Tensor:
+    """Greedy generation on relay_hf's loop. ``ids``/``mask`` ``[R, T]`` in relay layout (shared prefix first, then
+    each row's pads, then its own tokens); ``cache`` a static ``RelayCache`` holding the prefix only. Prefills the
+    rows' own tokens (the prefix is never recomputed), then decodes with ``_Stepper``. Returns ``[R, T + n]`` int64
+    sequences, ``n`` as stock generate gives it (``max_new_tokens``, or fewer when every row has hit EOS)."""
+    R, T = ids.shape
+    n_new = _new_tokens(gen, T)
+    eos = _eos(model, gen, T)
+    pad = torch.tensor(gen.pad_token_id if gen.pad_token_id is not None else int(eos[0][0]) if eos else 0,
+                       device=ids.device)
+    if streamer is not None:
+        streamer.put(ids.cpu())
+    pos = (mask.long().cumsum(-1) - 1).masked_fill(mask == 0, 0)  # stock's positions: pads get 0
+    P = cache.prefix_length
+    logits = model(input_ids=ids[:, P:], position_ids=pos[:, P:], use_cache=True, logits_to_keep=1,
+                   **{cache_kwarg_name(model): cache}).logits
+    step = _stepper(model, cache, R, eos, pad, compile_config)
+    step.k.zero_()
+    first = _greedy(logits[:, -1, :], step.k, eos)
+    step.k.fill_(1)
+    step.tok.copy_(first[:, None])
+    step.pos.copy_(pos[:, -1:] + 1)
+    step.unfinished.fill_(True)
+    if eos is not None:
+        step.unfinished.logical_and_(~torch.isin(first, eos[0]))
+    tokens, sent = [first], 0
+    while True:
+        done = len(tokens) >= n_new or (eos is not None and not bool(step.unfinished.any()))  # the host's one look
+        keep = _stop_length(torch.stack(tokens, 1), eos[0]) if eos is not None else len(tokens)
+        if streamer is not None:
+            for t in tokens[sent:keep]:
+                streamer.put(t.cpu())
+            sent = keep
+        if done:
+            break
+        for _ in range(min(CHUNK, n_new - len(tokens))):
+            step()
+            tokens.append(step.tok[:, 0].clone())
+    if streamer is not None:
+        streamer.end()
+    return torch.cat([ids, torch.stack(tokens[:keep], 1)], 1)

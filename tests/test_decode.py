@@ -1,0 +1,131 @@
+"""relay_hf's own decode loop (``relay_hf/decode.py``) over a static RelayCache: token for token what stock
+``generate`` gives, on five architectures; what it cannot reproduce goes to transformers' loop."""
+
+import pytest
+import torch
+from transformers import CompileConfig, LogitsProcessorList, TopKLogitsWarper
+from transformers.generation.streamers import BaseStreamer
+
+import relay_hf
+from relay_hf.decode import _stop_length
+from tests.tiny import ARCHS, shared_prefix_batch, tiny_model
+
+STATIC = dict(cache_implementation="static", do_sample=False)
+
+
+def _stock_then_relay(model, ids, mask, **gen):
+    relay_hf.unpatch(model)
+    stock = model.generate(ids, attention_mask=mask, do_sample=False, **gen)
+    relay_hf.patch(model, min_prefix_length=8)
+    return stock, model.generate(ids, attention_mask=mask, **STATIC, **gen)
+
+
+def _row_eos(model, ids, mask) -> list[int]:
+    """One EOS id per row, each a token that row generates early, so every row stops at a different step."""
+    out = model.generate(ids, attention_mask=mask, max_new_tokens=12, do_sample=False)
+    return sorted({int(out[r, ids.shape[1] + 2 + 2 * r]) for r in range(ids.shape[0])})
+
+
+@pytest.fixture(params=list(ARCHS))
+def arch_model(request):
+    model = tiny_model(request.param)
+    yield model
+    relay_hf.unpatch(model)
+
+
+@pytest.mark.parametrize("case", ["max_new_tokens", "eos_stops_early", "min_new_tokens", "max_length_min_length"])
+def test_decode_loop_gives_stock_tokens(arch_model, case):
+    ids, mask, _ = shared_prefix_batch(seed=11)
+    T = ids.shape[1]
+    eos = _row_eos(arch_model, ids, mask)
+    gen = {"max_new_tokens": dict(max_new_tokens=20),
+           "eos_stops_early": dict(max_new_tokens=40, eos_token_id=eos),
+           "min_new_tokens": dict(max_new_tokens=40, eos_token_id=eos, min_new_tokens=7),
+           "max_length_min_length": dict(max_length=T + 9, eos_token_id=eos, min_length=T + 5)}[case]
+    stock, relay = _stock_then_relay(arch_model, ids, mask, **gen)
+    decision = arch_model.relay_last_decision
+    assert decision.used and decision.static and decision.fast_decode, decision
+    assert torch.equal(stock, relay)
+    if case == "eos_stops_early":
+        assert stock.shape[1] < T + 40  # the case really stops on EOS before max_new_tokens
+
+
+class _Recorder(BaseStreamer):
+    def __init__(self):
+        self.puts, self.ended = [], False
+
+    def put(self, value):
+        self.puts.append(value.clone())
+
+    def end(self):
+        self.ended = True
+
+
+def test_streamer_gets_what_stock_streams():
+    model = tiny_model("qwen2")
+    ids, mask, _ = shared_prefix_batch(seed=12)
+    eos = _row_eos(model, ids, mask)
+    stock_rec, relay_rec = _Recorder(), _Recorder()
+    stock = model.generate(ids, attention_mask=mask, max_new_tokens=40, eos_token_id=eos, streamer=stock_rec,
+                           do_sample=False)
+    relay_hf.patch(model, min_prefix_length=8)
+    relay = model.generate(ids, attention_mask=mask, max_new_tokens=40, eos_token_id=eos, streamer=relay_rec, **STATIC)
+    assert model.relay_last_decision.fast_decode and torch.equal(stock, relay)
+    assert relay_rec.ended and len(relay_rec.puts) == len(stock_rec.puts) == 1 + stock.shape[1] - ids.shape[1]
+    for a, b in zip(stock_rec.puts, relay_rec.puts, strict=True):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("gen, reason", [
+    (dict(return_dict_in_generate=True, output_logits=True), "return_dict_in_generate"),
+    (dict(repetition_penalty=1.3), "repetition_penalty"),
+    (dict(logits_processor=LogitsProcessorList([TopKLogitsWarper(5)])), "logits_processor"),
+])
+def test_calls_the_loop_cannot_reproduce_run_on_transformers_loop(gen, reason):
+    model = tiny_model("llama")
+    ids, mask, _ = shared_prefix_batch(seed=13)
+    stock, relay = _stock_then_relay(model, ids, mask, max_new_tokens=8, **gen)
+    decision = model.relay_last_decision
+    assert decision.static and not decision.fast_decode and reason in decision.loop_reason
+    seq = (lambda o: o if isinstance(o, torch.Tensor) else o.sequences)
+    assert torch.equal(seq(stock), seq(relay))
+
+
+def test_compiled_step_traces_as_one_graph_and_matches_eager():
+    """``fullgraph=True`` compile of the whole step (model forward, greedy choice, bookkeeping). CPU CI uses the
+    ``eager`` backend (tracing is what can break); on the GPU inductor compiles it and a CUDA graph captures it."""
+    model = relay_hf.patch(tiny_model("llama"), min_prefix_length=8)
+    ids, mask, _ = shared_prefix_batch(seed=14)
+    eager = model.generate(ids, attention_mask=mask, max_new_tokens=8, do_sample=False)
+    config = CompileConfig(fullgraph=True, backend="eager", mode=None)
+    config._compile_all_devices = True  # transformers compiles on accelerators only unless told otherwise
+    torch._dynamo.reset()
+    compiled = model.generate(ids, attention_mask=mask, max_new_tokens=8, do_sample=False, compile_config=config)
+    assert model.relay_last_decision.fast_decode
+    assert hasattr(model._relay_state.stepper.fn, "_torchdynamo_orig_callable")  # the compiled step ran
+    assert torch.equal(eager, compiled)
+    assert model.config._attn_implementation == "relay"  # restored after the static call
+
+
+def test_a_step_that_fails_to_compile_decodes_eagerly_with_a_warning():
+    def broken_backend(gm, example_inputs):
+        raise RuntimeError("no compiler here")
+
+    model = relay_hf.patch(tiny_model("mistral"), min_prefix_length=8)
+    ids, mask, _ = shared_prefix_batch(seed=15)
+    eager = model.generate(ids, attention_mask=mask, max_new_tokens=6, do_sample=False)
+    config = CompileConfig(fullgraph=True, backend=broken_backend, mode=None)
+    config._compile_all_devices = True
+    torch._dynamo.reset()
+    with pytest.warns(RuntimeWarning, match="compiling the decode step failed"):
+        out = model.generate(ids, attention_mask=mask, max_new_tokens=6, do_sample=False, compile_config=config)
+    assert torch.equal(eager, out)
+    again = model.generate(ids, attention_mask=mask, max_new_tokens=6, do_sample=False)
+    assert torch.equal(eager, again)  # the model stays usable
+
+
+def test_stop_length_is_where_the_last_row_hits_eos():
+    eos = torch.tensor([7, 9])
+    assert _stop_length(torch.tensor([[1, 7, 0, 0], [9, 0, 0, 0]]), eos) == 2
+    assert _stop_length(torch.tensor([[1, 2, 3, 4], [9, 0, 0, 0]]), eos) == 4  # row 0 never stops
+    assert _stop_length(torch.tensor([[7], [9]]), eos) == 1

@@ -42,9 +42,9 @@ def fast_reason(model, gen: GenerationConfig, call: dict, T: int) -> str | None:
     for key, neutral in _NEUTRAL.items():
         if getattr(gen, key, None) not in neutral:
             return f"{key}={getattr(gen, key)!r}"
-    for key in ("logits_processor", "stopping_criteria"):
+    for key in ("logits_processor", "stopping_criteria", "synced_gpus"):
         if call.get(key):
-            return f"a user {key}"
+            return f"`{key}` given"
     extra = sorted(k for k, v in call.items() if v is not None and k not in _GENERATE_ARGS and not hasattr(gen, k))
     if extra:
         return f"model kwargs {extra}"
@@ -105,6 +105,9 @@ class _Stepper:
                                                                                               compile_config.mode)
             self.fn = torch.compile(_decode_step, fullgraph=compile_config.fullgraph, dynamic=False,
                                     backend=compile_config.backend, mode=mode, options=compile_config.options)
+
+    def __deepcopy__(self, memo):  # a CUDA graph cannot be copied; a copied model captures its own step
+        return None
 
     def _run(self) -> None:
         self.fn(self.model, self.name, self.cache, self.tok, self.pos, self.k, self.unfinished, self.eos, self.pad)

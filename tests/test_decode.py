@@ -124,6 +124,18 @@ def test_a_step_that_fails_to_compile_decodes_eagerly_with_a_warning():
     assert torch.equal(eager, again)  # the model stays usable
 
 
+def test_a_patched_model_with_a_kept_step_can_be_deep_copied():
+    import copy
+
+    model = relay_hf.patch(tiny_model("qwen3"), min_prefix_length=8)
+    ids, mask, _ = shared_prefix_batch(seed=16)
+    out = model.generate(ids, attention_mask=mask, max_new_tokens=6, **STATIC)
+    assert model._relay_state.stepper is not None
+    twin = copy.deepcopy(model)
+    assert twin._relay_state.stepper is None
+    assert torch.equal(out, twin.generate(ids, attention_mask=mask, max_new_tokens=6, **STATIC))
+
+
 def test_stop_length_is_where_the_last_row_hits_eos():
     eos = torch.tensor([7, 9])
     assert _stop_length(torch.tensor([[1, 7, 0, 0], [9, 0, 0, 0]]), eos) == 2

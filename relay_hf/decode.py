@@ -90,9 +90,9 @@ class _Stepper:
     a CUDA graph after two warm-up steps. Kept on the model with its buffers, so the next call with the same pooled
     cache replays the same graph."""
 
-    def __init__(self, model, cache, rows: int, eos, pad, compile_config):
+    def __init__(self, model, cache, rows: int, eos, pad, compile_config, key: tuple):
         device = model.device
-        self.key = _key(cache, rows, eos, pad, compile_config)
+        self.key = key
         self.model, self.cache, self.name, self.eos, self.pad = model, cache, cache_kwarg_name(model), eos, pad
         self.tok = torch.zeros(rows, 1, dtype=torch.long, device=device)  # [R, 1] graph inputs and outputs
         self.pos = torch.zeros_like(self.tok)
@@ -152,19 +152,16 @@ class _Stepper:
             self._run()
 
 
-def _key(cache, rows: int, eos, pad, compile_config) -> tuple:
-    """What a kept ``_Stepper`` must match to be replayed: its graph bakes in all of these."""
-    compiled = None if compile_config is None else repr(compile_config.to_dict())
-    return id(cache), rows, None if eos is None else (tuple(eos[0].tolist()), int(eos[1])), int(pad), compiled
-
-
 def _stepper(model, cache, rows: int, eos, pad, compile_config) -> _Stepper:
-    key = _key(cache, rows, eos, pad, compile_config)
+    """The kept step if its graph was captured for this cache and these values (they are baked into it), else a new
+    one."""
+    compiled = None if compile_config is None else repr(compile_config.to_dict())
+    key = rows, None if eos is None else (tuple(eos[0].tolist()), int(eos[1])), int(pad), compiled
     old = model._relay_state.stepper
-    if old is not None and old.key == key and old.cache is cache:
+    if old is not None and old.cache is cache and old.key == key:
         return old
     model._relay_state.stepper = None  # free the old graph's pool first
-    model._relay_state.stepper = _Stepper(model, cache, rows, eos, pad, compile_config)
+    model._relay_state.stepper = _Stepper(model, cache, rows, eos, pad, compile_config, key)
     return model._relay_state.stepper
 
 
@@ -215,7 +212,9 @@ def fast_generate(model, ids: torch.Tensor, mask: torch.Tensor, cache, gen: Gene
     tokens, sent = [first], 0
     while True:
         done = len(tokens) >= n_new or (eos is not None and not bool(step.unfinished.any()))  # the host's one look
-        keep = _stop_length(torch.stack(tokens, 1), eos[0]) if eos is not None else len(tokens)
+        keep = len(tokens)
+        if eos is not None and (done or streamer is not None):
+            keep = _stop_length(torch.stack(tokens, 1), eos[0])
         if streamer is not None:
             for t in tokens[sent:keep]:
                 streamer.put(t.cpu())

@@ -25,18 +25,18 @@ from .kernels.triton_relay import bytes_moved, relay_attention_triton
 # Tile/split variants `kernel --tune` times before the sweep; the fastest is used and printed.
 VARIANTS = {
     "default": {},
+    "one_launch": dict(SEPARATE_ROWS=(0, -1)),
+    "separate_always": dict(SEPARATE_ROWS=(1, 1 << 30)),
+    "fp32_partials": dict(PARTIAL_HALF=False),
+    "no_fused_merge": dict(FUSED_MERGE_SLOTS=0),
+    "separate_waves4": dict(SEPARATE_SPLIT=(4, 2), FUSED_MERGE_SLOTS=16),
+    "suffix_64x4x2": dict(SUFFIX_TILES={64: (64, 4, 2), 128: (64, 4, 2), 256: (32, 8, 2)}),
     "prefix_waves2": dict(SPLIT_WAVES=2, PARTIAL_BUDGET=4),
-    "prefix_waves8": dict(SPLIT_WAVES=8, PARTIAL_BUDGET=1),
-    "suffix_waves2": dict(SUFFIX_WAVES=2),
     "stages2": dict(TILES={64: (64, 4, 2), 128: (64, 4, 2), 256: (32, 8, 2)}),
-    "n128_w8": dict(TILES={64: (128, 8, 2), 128: (128, 8, 2), 256: (64, 8, 2)}),
     "n32": dict(TILES={64: (32, 4, 3), 128: (32, 4, 3), 256: (32, 8, 2)}),
-    "w8": dict(TILES={64: (64, 8, 3), 128: (64, 8, 3), 256: (32, 8, 2)}),
-    "block_m32": dict(MAX_BLOCK_M=32),
-    "merge64x4": dict(MERGE_TILE=(64, 4)),
     "merge8x1": dict(MERGE_TILE=(8, 1)),
 }
-TUNE_CASES = [(4096, 32), (16384, 32), (4096, 128), (1024, 8)]
+TUNE_CASES = [(4096, 32), (16384, 32), (4096, 64), (4096, 128), (1024, 8)]
 
 
 def copy_bandwidth(device="cuda", nbytes=2 << 30) -> float:

@@ -41,9 +41,9 @@ def relay_attention(query: torch.Tensor, prefix_key: torch.Tensor, prefix_value:
         gets zeros, never NaN.
 
     CUDA tensors go to the Triton kernels when ``relay_hf.kernels.triton_relay`` can run them; everything else
-    (CPU, fp64) runs the PyTorch reference, whose numerics the kernels are tested against.
+    (CPU, fp64, a non-positive ``scale``) runs the PyTorch reference, whose numerics the kernels are tested against.
     """
-    if query.is_cuda and query.dtype != torch.float64 and _triton_ok():
+    if query.is_cuda and query.dtype != torch.float64 and (scale is None or scale > 0) and _triton_ok():
         from .op import relay_attention_op
 
         scale = query.shape[-1] ** -0.5 if scale is None else float(scale)

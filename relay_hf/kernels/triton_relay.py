@@ -43,9 +43,19 @@ TILES = {64: (64, 4, 3), 128: (64, 4, 3), 256: (32, 8, 2)}  # head dim -> (BLOCK
 MAX_BLOCK_M = 64  # query rows per prefix program; small batches use the smallest tl.dot tile (16)
 SPLIT_WAVES = 4  # prefix units alone aim for this many programs per SM
 SUFFIX_WAVES = 1  # suffix units alone aim for this many programs per SM (split the suffix when B*H_kv is small)
-PARTIAL_BUDGET = 2  # keep fp32 prefix-partial traffic <= 1/PARTIAL_BUDGET of the prefix bytes
+PARTIAL_BUDGET = 2  # keep prefix-partial traffic <= 1/PARTIAL_BUDGET of the prefix bytes
 MAX_SPLITS = 32
 MERGE_TILE = (16, 2)  # merge kernel: (rows x slots per program, warps); a program merges max(1, 16 // slots) rows
+PARTIAL_HALF = True  # fp16/bf16 inputs: partial outputs in the input dtype (half the scratch bytes); LSE stays fp32
+# Separate layout: for N = B*G*L_q rows in SEPARATE_ROWS the prefix and the suffix run as two launches, each compiled
+# for its own tiles (the suffix's lighter programs then fit 3-5 per SM), the prefix split for SEPARATE_SPLIT =
+# (SPLIT_WAVES, PARTIAL_BUDGET), and the suffix launch merges the prefix partials itself when there are at most
+# FUSED_MERGE_SLOTS of them (no merge launch). Measured on the H200 (docs/kernel_notes.md, session 4): 4096 x 32:
+# 25.7 -> 23.2 us, 4096 x 64 (L_s 96): 33.8 -> 24.2 us, but 1024 x 8: 8.3 -> 12.7 us and 4096 x 128: 62.1 -> 70.6 us.
+SEPARATE_ROWS = (128, 256)
+SUFFIX_TILES = {64: (32, 4, 3), 128: (32, 4, 3), 256: (32, 8, 2)}
+SEPARATE_SPLIT = (2, 4)
+FUSED_MERGE_SLOTS = 8
 
 
 def triton_available() -> bool:
@@ -53,9 +63,9 @@ def triton_available() -> bool:
     return triton is not None and (torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1")
 
 
-def _tile(head_dim: int):
+def _tile(head_dim: int, tiles=None):
     block_d = max(16, triton.next_power_of_2(head_dim))
-    return (block_d, *TILES[min(max(block_d, 64), 256)])
+    return (block_d, *(tiles or TILES)[min(max(block_d, 64), 256)])
 
 
 @functools.cache
@@ -69,14 +79,17 @@ def _block_m(rows: int) -> int:
     return min(MAX_BLOCK_M, max(16, triton.next_power_of_2(rows)))
 
 
-def plan_splits(P: int, N: int, H_kv: int, block_m: int, block_n: int, num_sms: int) -> tuple[int, int]:
-    """``(splits, tiles_per_split)`` for the prefix: enough programs to fill the GPU, few enough that the fp32
-    partials (``splits * N * D * 4`` bytes per head) stay small next to the prefix (``P * D * 4`` bytes per head)."""
+def plan_splits(P: int, N: int, H_kv: int, block_m: int, block_n: int, num_sms: int, waves: int | None = None,
+                budget: int | None = None) -> tuple[int, int]:
+    """``(splits, tiles_per_split)`` for the prefix: enough programs for ``waves`` (``SPLIT_WAVES``) per SM, few
+    enough that the partials (``splits * N * D`` elements per head) stay within ``1/budget`` (``PARTIAL_BUDGET``) of
+    the prefix (``P * D`` elements per head, K and V)."""
     if P == 0:
         return 0, 1
+    waves, budget = waves or SPLIT_WAVES, budget or PARTIAL_BUDGET
     n_tiles = triton.cdiv(P, block_n)
-    want = triton.cdiv(SPLIT_WAVES * num_sms, H_kv * triton.cdiv(N, block_m))
-    cap = max(1, P // (PARTIAL_BUDGET * N))
+    want = triton.cdiv(waves * num_sms, H_kv * triton.cdiv(N, block_m))
+    cap = max(1, P // (budget * N))
     splits = max(1, min(n_tiles, want, cap, MAX_SPLITS))
     per = triton.cdiv(n_tiles, splits)
     return triton.cdiv(n_tiles, per), per
@@ -95,53 +108,55 @@ def plan_suffix_splits(L_s: int, units: int, H_kv: int, block_n: int, num_sms: i
 if triton is not None:
 
     @triton.jit
-    def _scores(q, k, scale_log2, IEEE: tl.constexpr, DOT_F32: tl.constexpr):
+    def _dot(a, b, IEEE: tl.constexpr, DOT_F32: tl.constexpr):
         if DOT_F32:
-            q, k = q.to(tl.float32), k.to(tl.float32)
+            a, b = a.to(tl.float32), b.to(tl.float32)
         if IEEE:
-            return tl.dot(q, k, input_precision="ieee") * scale_log2
-        return tl.dot(q, k) * scale_log2
+            return tl.dot(a, b, input_precision="ieee")
+        return tl.dot(a, b)
 
     @triton.jit
-    def _online_update(m, l, acc, s, v, IEEE: tl.constexpr, DOT_F32: tl.constexpr):
-        """One flash-attention step in the log2 domain; fully masked rows (all -inf) stay at m=-inf, l=0, acc=0."""
-        m_new = tl.maximum(m, tl.max(s, 1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        p = tl.exp2(s - m_safe[:, None])
-        alpha = tl.exp2(m - m_safe)
-        l = l * alpha + tl.sum(p, 1)
-        if DOT_F32:
-            v = v.to(tl.float32)
-        if IEEE:
-            pv = tl.dot(p.to(v.dtype), v, input_precision="ieee")
-        else:
-            pv = tl.dot(p.to(v.dtype), v)
-        acc = acc * alpha[:, None] + pv
-        return m_new, l, acc
-
-    @triton.jit
-    def _attend(q, K, V, sk_n, sk_d, sv_n, sv_d, lo, hi, first, q_pos, d, d_ok, scale_log2,
-                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, CAUSAL: tl.constexpr,
+    def _attend(m, l, acc, q, K, V, sk_n, sk_d, sv_n, sv_d, lo, hi, first, q_pos, d, d_ok, scale_log2,
+                BLOCK_N: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr,
                 IEEE: tl.constexpr, DOT_F32: tl.constexpr):
-        """Queries ``q [BLOCK_M, BLOCK_D]`` against keys ``[lo, hi)`` of one head (``K``/``V`` point at its first
-        key); keys before ``first`` are padding; ``CAUSAL``: query row j sees keys ``<= q_pos[j]``.
-        Returns the running ``(m, l, acc)`` (log2 domain, unnormalised)."""
-        m = tl.full([BLOCK_M], float("-inf"), tl.float32)
-        l = tl.zeros([BLOCK_M], tl.float32)
-        acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-        for n0 in range(lo, hi, BLOCK_N):
+        """Continue the running ``(m, l, acc)`` (log2 domain, unnormalised) of queries ``q [BLOCK_M, BLOCK_D]`` over
+        keys ``[lo, hi)`` of one head (``K``/``V`` point at its first key). ``MASKED``: keys ``>= hi`` or before
+        ``first`` (padding) are hidden, and with ``CAUSAL`` query row j sees keys ``<= q_pos[j]``; unmasked calls are
+        the prefix's full tiles, where the per-score masking is pure overhead. Fully masked rows stay at
+        ``m=-inf, l=0, acc=0``. ``scale_log2 > 0`` is folded into the exponent (one FMA per score)."""
+        # a masked prefix call covers at most P's last partial tile: not worth a software pipeline
+        for n0 in tl.range(lo, hi, BLOCK_N, num_stages=1 if MASKED and not CAUSAL else None):
             cols = n0 + tl.arange(0, BLOCK_N)
-            col_ok = (cols < hi) & (cols >= first)
-            k = tl.load(K + cols[None, :] * sk_n + d[:, None] * sk_d,
-                        mask=col_ok[None, :] & d_ok[:, None], other=0.0)  # [BLOCK_D, BLOCK_N]
-            visible = col_ok[None, :]
-            if CAUSAL:
-                visible = visible & (cols[None, :] <= q_pos[:, None])
-            s = tl.where(visible, _scores(q, k, scale_log2, IEEE, DOT_F32), float("-inf"))
-            v = tl.load(V + cols[:, None] * sv_n + d[None, :] * sv_d,
-                        mask=col_ok[:, None] & d_ok[None, :], other=0.0)  # [BLOCK_N, BLOCK_D]
-            m, l, acc = _online_update(m, l, acc, s, v, IEEE, DOT_F32)
+            if MASKED:
+                col_ok = (cols < hi) & (cols >= first)
+                k = tl.load(K + cols[None, :] * sk_n + d[:, None] * sk_d, mask=col_ok[None, :] & d_ok[:, None],
+                            other=0.0)  # [BLOCK_D, BLOCK_N]
+                v = tl.load(V + cols[:, None] * sv_n + d[None, :] * sv_d, mask=col_ok[:, None] & d_ok[None, :],
+                            other=0.0)  # [BLOCK_N, BLOCK_D]
+            else:
+                k = tl.load(K + cols[None, :] * sk_n + d[:, None] * sk_d, mask=d_ok[:, None], other=0.0)
+                v = tl.load(V + cols[:, None] * sv_n + d[None, :] * sv_d, mask=d_ok[None, :], other=0.0)
+            s = _dot(q, k, IEEE, DOT_F32)  # raw scores [BLOCK_M, BLOCK_N]
+            if MASKED:
+                visible = col_ok[None, :]
+                if CAUSAL:
+                    visible = visible & (cols[None, :] <= q_pos[:, None])
+                s = tl.where(visible, s, float("-inf"))
+            m_new = tl.maximum(m, tl.max(s, 1) * scale_log2)
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+            p = tl.exp2(s * scale_log2 - m_safe[:, None])
+            alpha = tl.exp2(m - m_safe)
+            l = l * alpha + tl.sum(p, 1)
+            acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, IEEE, DOT_F32)
+            m = m_new
         return m, l, acc
+
+    @triton.jit
+    def _store_out(O, so_b, so_h, so_l, so_d, n, n_ok, h, G, L_q, d, d_ok, out):
+        """Rows ``n = (b * G + g) * L_q + i`` of KV head ``h`` into ``O [B, H_q, L_q, D]`` in its dtype."""
+        b, g, i = n // (G * L_q), (n // L_q) % G, n % L_q
+        tl.store(O + b[:, None] * so_b + (h * G + g)[:, None] * so_h + i[:, None] * so_l + d[None, :] * so_d,
+                 out.to(O.dtype.element_ty), mask=n_ok[:, None] & d_ok[None, :])
 
     @triton.jit
     def _store_partial(PO, PLSE, slot, h, H_kv, N, n, n_ok, m, l, acc, d, d_ok, D):
@@ -149,7 +164,7 @@ if triton is not None:
         out = acc / tl.where(l == 0.0, 1.0, l)[:, None]
         lse = tl.where(l == 0.0, float("-inf"), (m + tl.log2(l)) * 0.6931471805599453)
         base = (slot * H_kv + h) * N + n
-        tl.store(PO + base[:, None] * D + d[None, :], out, mask=n_ok[:, None] & d_ok[None, :])
+        tl.store(PO + base[:, None] * D + d[None, :], out.to(PO.dtype.element_ty), mask=n_ok[:, None] & d_ok[None, :])
         tl.store(PLSE + base, lse, mask=n_ok)
 
     @triton.jit
@@ -168,17 +183,46 @@ if triton is not None:
                     mask=n_ok[:, None] & d_ok[None, :], other=0.0)
         lo = split * prefix_per * BLOCK_N
         hi = tl.minimum(lo + prefix_per * BLOCK_N, P)
-        m, l, acc = _attend(q, PK + h * spk_h, PV + h * spv_h, spk_p, spk_d, spv_p, spv_d, lo, hi, 0, i,
-                            d, d_ok, scale_log2, BLOCK_M, BLOCK_N, BLOCK_D, False, IEEE, DOT_F32)
+        full = lo + (hi - lo) // BLOCK_N * BLOCK_N  # splits start on tile boundaries: only P's last tile is partial
+        m = tl.full([BLOCK_M], float("-inf"), tl.float32)
+        l = tl.zeros([BLOCK_M], tl.float32)
+        acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+        PKh, PVh = PK + h * spk_h, PV + h * spv_h
+        m, l, acc = _attend(m, l, acc, q, PKh, PVh, spk_p, spk_d, spv_p, spv_d, lo, full, 0, i, d, d_ok, scale_log2,
+                            BLOCK_N, False, False, IEEE, DOT_F32)
+        m, l, acc = _attend(m, l, acc, q, PKh, PVh, spk_p, spk_d, spv_p, spv_d, full, hi, 0, i, d, d_ok, scale_log2,
+                            BLOCK_N, True, False, IEEE, DOT_F32)
         _store_partial(PO, PLSE, split, h, H_kv, N, n, n_ok, m, l, acc, d, d_ok, D)
 
     @triton.jit
-    def _suffix_unit(Q, SK, SV, LENS, END, PO, PLSE, w, h, H_kv, sq_b, sq_h, sq_l, sq_d,
-                     ssk_b, ssk_h, ssk_s, ssk_d, ssv_b, ssv_h, ssv_s, ssv_d,
+    def _merge_prefix_slots(PO, PLSE, m, l, acc, h, H_kv, N, n, n_ok, d, d_ok, D, prefix_splits,
+                            BLOCK_S: tl.constexpr):
+        """Fold the prefix partials of rows ``n`` (slots ``0 .. prefix_splits-1``, normalised, natural-log LSE) into
+        the running ``(m, l, acc)`` and return the normalised output. All slots load as one ``[rows, BLOCK_S, D]``
+        tile (one round trip, not a chain of loads) and sum by a fixed tree, so the result is deterministic."""
+        s = tl.arange(0, BLOCK_S)
+        ok = n_ok[:, None] & (s < prefix_splits)[None, :]
+        base = (s[None, :] * H_kv + h) * N + n[:, None]
+        x = tl.load(PLSE + base, mask=ok, other=float("-inf")) * 1.4426950408889634
+        o = tl.load(PO + base[:, :, None] * D + d[None, None, :], mask=ok[:, :, None] & d_ok[None, None, :],
+                    other=0.0).to(tl.float32)  # [BLOCK_M, BLOCK_S, BLOCK_D]
+        m_new = tl.maximum(m, tl.max(x, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        w = tl.exp2(x - m_safe[:, None])
+        alpha = tl.exp2(m - m_safe)
+        l = l * alpha + tl.sum(w, 1)
+        acc = acc * alpha[:, None] + tl.sum(o * w[:, :, None], 1)
+        return acc / tl.where(l == 0.0, 1.0, l)[:, None]
+
+    @triton.jit
+    def _suffix_unit(Q, SK, SV, LENS, END, PO, PLSE, O, w, h, H_kv, sq_b, sq_h, sq_l, sq_d,
+                     ssk_b, ssk_h, ssk_s, ssk_d, ssv_b, ssv_h, ssv_s, ssv_d, so_b, so_h, so_l, so_d,
                      N, L_q, L_s, G, D, scale_log2, prefix_splits, suffix_blocks, suffix_splits, suffix_per,
                      HAS_LENS: tl.constexpr, HAS_END: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                     BLOCK_D: tl.constexpr, IEEE: tl.constexpr, DOT_F32: tl.constexpr):
-        """Row b's queries r = g * L_q + i against one split of its own suffix -> slot prefix_splits + split."""
+                     BLOCK_D: tl.constexpr, IEEE: tl.constexpr, DOT_F32: tl.constexpr, FUSE: tl.constexpr):
+        """Row b's queries r = g * L_q + i against one split of its own suffix -> slot prefix_splits + split. ``FUSE``
+        > 0 (one suffix split, prefix partials written by an earlier launch, ``FUSE >= prefix_splits`` a power of
+        two): merge with them and write ``O`` instead."""
         rb, split, b = w % suffix_blocks, (w // suffix_blocks) % suffix_splits, w // (suffix_blocks * suffix_splits)
         r = rb * BLOCK_M + tl.arange(0, BLOCK_M)
         r_ok = r < G * L_q
@@ -196,32 +240,47 @@ if triton is not None:
         lo = split * suffix_per * BLOCK_N
         hi = tl.minimum(lo + suffix_per * BLOCK_N, end)
         lo = tl.maximum(lo, (first // BLOCK_N) * BLOCK_N)  # skip whole tiles of padding
-        m, l, acc = _attend(q, SK + b * ssk_b + h * ssk_h, SV + b * ssv_b + h * ssv_h, ssk_s, ssk_d, ssv_s, ssv_d,
-                            lo, hi, first, end - L_q + i, d, d_ok, scale_log2,
-                            BLOCK_M, BLOCK_N, BLOCK_D, True, IEEE, DOT_F32)
-        _store_partial(PO, PLSE, prefix_splits + split, h, H_kv, N, b * G * L_q + r, r_ok, m, l, acc, d, d_ok, D)
+        m = tl.full([BLOCK_M], float("-inf"), tl.float32)
+        l = tl.zeros([BLOCK_M], tl.float32)
+        acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+        m, l, acc = _attend(m, l, acc, q, SK + b * ssk_b + h * ssk_h, SV + b * ssv_b + h * ssv_h, ssk_s, ssk_d,
+                            ssv_s, ssv_d, lo, hi, first, end - L_q + i, d, d_ok, scale_log2,
+                            BLOCK_N, True, True, IEEE, DOT_F32)
+        n = b * G * L_q + r
+        if FUSE:
+            out = _merge_prefix_slots(PO, PLSE, m, l, acc, h, H_kv, N, n, r_ok, d, d_ok, D, prefix_splits, FUSE)
+            _store_out(O, so_b, so_h, so_l, so_d, n, r_ok, h, G, L_q, d, d_ok, out)
+        else:
+            _store_partial(PO, PLSE, prefix_splits + split, h, H_kv, N, n, r_ok, m, l, acc, d, d_ok, D)
 
     @triton.jit
-    def _partials_kernel(Q, PK, PV, SK, SV, LENS, END, PO, PLSE,
+    def _partials_kernel(Q, PK, PV, SK, SV, LENS, END, PO, PLSE, O,
                          sq_b, sq_h, sq_l, sq_d, spk_h, spk_p, spk_d, spv_h, spv_p, spv_d,
-                         ssk_b, ssk_h, ssk_s, ssk_d, ssv_b, ssv_h, ssv_s, ssv_d,
+                         ssk_b, ssk_h, ssk_s, ssk_d, ssv_b, ssv_h, ssv_s, ssv_d, so_b, so_h, so_l, so_d,
                          N, P, L_q, L_s, G, D, scale_log2,
                          prefix_blocks, prefix_splits, prefix_per, suffix_blocks, suffix_splits, suffix_per,
                          HAS_LENS: tl.constexpr, HAS_END: tl.constexpr,
                          BLOCK_MP: tl.constexpr, BLOCK_MS: tl.constexpr, BLOCK_N: tl.constexpr,
-                         BLOCK_D: tl.constexpr, IEEE: tl.constexpr, DOT_F32: tl.constexpr):
+                         BLOCK_D: tl.constexpr, IEEE: tl.constexpr, DOT_F32: tl.constexpr, KIND: tl.constexpr,
+                         FUSE: tl.constexpr):
+        """``KIND`` 0: prefix and suffix units in one grid; 1: prefix units only; 2: suffix units only (a launch of
+        one kind compiles only that kind, so its tiles, shared memory and registers are its own). ``FUSE`` (KIND 2
+        after a KIND 1 launch, one suffix split): each suffix unit merges its rows and writes ``O``."""
         u, h = tl.program_id(0), tl.program_id(1)
         H_kv = tl.num_programs(1)
+        if KIND == 2:
+            u += prefix_blocks * prefix_splits
         # prefix units first (they share tiles through L2), then suffix units; both kinds in one wave
-        if u < prefix_blocks * prefix_splits:
+        if KIND != 2 and (KIND == 1 or u < prefix_blocks * prefix_splits):
             _prefix_unit(Q, PK, PV, PO, PLSE, u, h, H_kv, sq_b, sq_h, sq_l, sq_d, spk_h, spk_p, spk_d,
                          spv_h, spv_p, spv_d, N, P, L_q, G, D, scale_log2, prefix_blocks, prefix_per,
                          BLOCK_MP, BLOCK_N, BLOCK_D, IEEE, DOT_F32)
         else:
-            _suffix_unit(Q, SK, SV, LENS, END, PO, PLSE, u - prefix_blocks * prefix_splits, h, H_kv,
+            _suffix_unit(Q, SK, SV, LENS, END, PO, PLSE, O, u - prefix_blocks * prefix_splits, h, H_kv,
                          sq_b, sq_h, sq_l, sq_d, ssk_b, ssk_h, ssk_s, ssk_d, ssv_b, ssv_h, ssv_s, ssv_d,
-                         N, L_q, L_s, G, D, scale_log2, prefix_splits, suffix_blocks, suffix_splits, suffix_per,
-                         HAS_LENS, HAS_END, BLOCK_MS, BLOCK_N, BLOCK_D, IEEE, DOT_F32)
+                         so_b, so_h, so_l, so_d, N, L_q, L_s, G, D, scale_log2, prefix_splits, suffix_blocks,
+                         suffix_splits, suffix_per, HAS_LENS, HAS_END, BLOCK_MS, BLOCK_N, BLOCK_D, IEEE, DOT_F32,
+                         FUSE)
 
     @triton.jit
     def _merge_kernel(PO, PLSE, O, so_b, so_h, so_l, so_d, N, L_q, G, D, slots,
@@ -239,14 +298,12 @@ if triton is not None:
         base = (s[None, :] * H_kv + h) * N + n[:, None]
         x = tl.load(PLSE + base, mask=ok, other=float("-inf")) * 1.4426950408889634
         o = tl.load(PO + base[:, :, None] * D + d[None, None, :], mask=ok[:, :, None] & d_ok[None, None, :],
-                    other=0.0)  # [BLOCK_R, BLOCK_S, BLOCK_D]
+                    other=0.0).to(tl.float32)  # [BLOCK_R, BLOCK_S, BLOCK_D]
         m = tl.max(x, 1)
         w = tl.exp2(x - tl.where(m == float("-inf"), 0.0, m)[:, None])  # empty slots: exp2(-inf) = 0
         l = tl.sum(w, 1)
         out = tl.sum(o * w[:, :, None], 1) / tl.where(l == 0.0, 1.0, l)[:, None]
-        b, g, i = n // (G * L_q), (n // L_q) % G, n % L_q
-        tl.store(O + b[:, None] * so_b + (h * G + g)[:, None] * so_h + i[:, None] * so_l + d[None, :] * so_d,
-                 out.to(O.dtype.element_ty), mask=n_ok[:, None] & d_ok[None, :])
+        _store_out(O, so_b, so_h, so_l, so_d, n, n_ok, h, G, L_q, d, d_ok, out)
 
 
 def relay_attention_triton(query: torch.Tensor, prefix_key: torch.Tensor, prefix_value: torch.Tensor,
@@ -257,37 +314,56 @@ def relay_attention_triton(query: torch.Tensor, prefix_key: torch.Tensor, prefix
 
     ``out`` (optional) is a ``[B, H_q, L_q, D]`` tensor to write into; by default it is allocated as the transpose
     of a contiguous ``[B, L_q, H_q, D]`` buffer, so the HF seam's ``transpose(1, 2).contiguous()`` is free.
-    Scratch: fp32 partials ``[slots, H_kv, B*G*L_q, D]`` and LSEs ``[slots, H_kv, B*G*L_q]``.
+    Scratch: partials ``[slots, H_kv, B*G*L_q, D]`` (the input dtype for fp16/bf16 with ``PARTIAL_HALF``, else fp32)
+    and fp32 natural-log LSEs ``[slots, H_kv, B*G*L_q]``.
     """
     check_relay_inputs(query, prefix_key, prefix_value, suffix_key, suffix_value, suffix_lengths, suffix_end)
     B, H_q, L_q, D = query.shape
     H_kv, L_s, P = suffix_key.shape[1], suffix_key.shape[2], prefix_key.shape[2]
     G, N = H_q // H_kv, B * (H_q // H_kv) * L_q
-    scale_log2 = (D ** -0.5 if scale is None else scale) * LOG2E
+    scale = D ** -0.5 if scale is None else scale
+    if not scale > 0:  # the kernels fold the scale into exp2 after the row max, which needs scale > 0
+        raise ValueError(f"the Triton relay kernel needs scale > 0, got {scale}; use relay_attention_torch")
+    scale_log2 = scale * LOG2E
     ieee = query.dtype == torch.float32
     # the CPU interpreter's tl.dot cannot multiply bf16 (numpy has no bf16): upcast there, only there
     dot_f32 = query.dtype == torch.bfloat16 and os.environ.get("TRITON_INTERPRET") == "1"
     if out is None:
         out = torch.empty(B, L_q, H_q, D, dtype=query.dtype, device=query.device).transpose(1, 2)
     block_d, block_n, warps, stages = _tile(D)
+    sep = SEPARATE_ROWS[0] <= N <= SEPARATE_ROWS[1]  # layout rule: see SEPARATE_ROWS
+    block_ns, warps_s, stages_s = _tile(D, SUFFIX_TILES)[1:] if sep else (block_n, warps, stages)
     sms = _num_sms(query.device.index or 0)
     block_mp, block_ms = _block_m(N), _block_m(G * L_q)
     p_blocks, s_blocks = triton.cdiv(N, block_mp), triton.cdiv(G * L_q, block_ms)
-    p_splits, p_per = plan_splits(P, N, H_kv, block_mp, block_n, sms)
-    s_splits, s_per = plan_suffix_splits(L_s, B * s_blocks, H_kv, block_n, sms)
-    slots = p_splits + s_splits
-    po = torch.empty(slots, H_kv, N, D, dtype=torch.float32, device=query.device)
-    plse = torch.empty(slots, H_kv, N, dtype=torch.float32, device=query.device)
+    p_splits, p_per = plan_splits(P, N, H_kv, block_mp, block_n, sms, *(SEPARATE_SPLIT if sep else ()))
+    s_splits, s_per = plan_suffix_splits(L_s, B * s_blocks, H_kv, block_ns, sms)
+    fuse = sep and s_splits == 1 and p_splits <= FUSED_MERGE_SLOTS
+    slots = p_splits + (0 if fuse else s_splits)
+    half = PARTIAL_HALF and query.dtype in (torch.float16, torch.bfloat16)
+    po = torch.empty(max(slots, 1), H_kv, N, D, dtype=query.dtype if half else torch.float32, device=query.device)
+    plse = torch.empty(max(slots, 1), H_kv, N, dtype=torch.float32, device=query.device)
     lens = suffix_lengths if suffix_lengths is not None else plse  # placeholders, never read when absent
     end = suffix_end if suffix_end is not None else plse
-    _partials_kernel[(p_blocks * p_splits + B * s_blocks * s_splits, H_kv)](
-        query, prefix_key, prefix_value, suffix_key, suffix_value, lens, end, po, plse,
-        *query.stride(), *prefix_key.stride()[1:], *prefix_value.stride()[1:],
-        *suffix_key.stride(), *suffix_value.stride(),
-        N, P, L_q, L_s, G, D, scale_log2, p_blocks, p_splits, p_per, s_blocks, s_splits, s_per,
-        HAS_LENS=suffix_lengths is not None, HAS_END=suffix_end is not None,
-        BLOCK_MP=block_mp, BLOCK_MS=block_ms, BLOCK_N=block_n, BLOCK_D=block_d, IEEE=ieee, DOT_F32=dot_f32,
-        num_warps=warps, num_stages=stages)
+    p_units, s_units = p_blocks * p_splits, B * s_blocks * s_splits
+    args = (query, prefix_key, prefix_value, suffix_key, suffix_value, lens, end, po, plse, out,
+            *query.stride(), *prefix_key.stride()[1:], *prefix_value.stride()[1:],
+            *suffix_key.stride(), *suffix_value.stride(), *out.stride(),
+            N, P, L_q, L_s, G, D, scale_log2, p_blocks, p_splits, p_per, s_blocks, s_splits, s_per)
+    flags = dict(HAS_LENS=suffix_lengths is not None, HAS_END=suffix_end is not None, BLOCK_MP=block_mp,
+                 BLOCK_MS=block_ms, BLOCK_D=block_d, IEEE=ieee, DOT_F32=dot_f32)
+    if not sep:
+        _partials_kernel[(p_units + s_units, H_kv)](*args, **flags, BLOCK_N=block_n, KIND=0, FUSE=0,
+                                                    num_warps=warps, num_stages=stages)
+    else:
+        if p_units:
+            _partials_kernel[(p_units, H_kv)](*args, **flags, BLOCK_N=block_n, KIND=1, FUSE=0, num_warps=warps,
+                                              num_stages=stages)
+        fuse_slots = max(1, triton.next_power_of_2(p_splits)) if fuse else 0
+        _partials_kernel[(s_units, H_kv)](*args, **flags, BLOCK_N=block_ns, KIND=2, FUSE=fuse_slots,
+                                          num_warps=warps_s, num_stages=stages_s)
+    if fuse:
+        return out
     tile, merge_warps = MERGE_TILE
     block_s = triton.next_power_of_2(slots)
     rows = max(1, tile // block_s)

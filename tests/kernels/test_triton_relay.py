@@ -66,6 +66,26 @@ def test_static_buffer_reads_only_up_to_suffix_end(dtype, L_q, P):
     assert rel_err(out, ref) < TOL[dtype]
 
 
+LAYOUTS = {"one launch": dict(SEPARATE_ROWS=(0, -1)),
+           "separate, fused merge": dict(SEPARATE_ROWS=(1, 1 << 30), FUSED_MERGE_SLOTS=32),
+           "separate, merge launch": dict(SEPARATE_ROWS=(1, 1 << 30), FUSED_MERGE_SLOTS=0),
+           "fp32 partials": dict(PARTIAL_HALF=False)}
+
+
+@pytest.fixture(params=list(LAYOUTS))
+def layout(request, monkeypatch):
+    """Each launch layout of ``relay_attention_triton`` (normally chosen by the row count), forced."""
+    for name, value in LAYOUTS[request.param].items():
+        monkeypatch.setattr(triton_relay, name, value)
+    return request.param
+
+
+@pytest.mark.parametrize("dtype,G,L_q,P,L_s", [(torch.float32, 4, 1, 37, 9), (torch.bfloat16, 3, 2, 70, 12),
+                                               (torch.float16, 8, 1, 150, 5), (torch.float32, 2, 3, 0, 9)])
+def test_every_layout_matches_reference(layout, dtype, G, L_q, P, L_s):
+    check(3, 2, G, L_q, L_s, P, 64, dtype, padded=True, seed=G + P)
+
+
 def test_empty_row_without_prefix_is_zero():
     out, _ = check(2, 1, 2, 1, 5, 0, 64, torch.float32, padded=True)
     assert out[0].abs().max() == 0  # row 0 has no valid suffix token and there is no prefix
@@ -105,7 +125,14 @@ def test_kernel_matches_reference_on_gpu(dtype, D, G, shape):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", list(TOL))
-def test_two_runs_are_bitwise_identical(dtype):
+@pytest.mark.parametrize("B,L_s", [(32, 256), (64, 96), (8, 256)])
+def test_every_layout_matches_reference_on_gpu(layout, dtype, B, L_s):
+    check(B, 8, 4, 1, L_s, 4096, 128, dtype, padded=True, seed=B)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", list(TOL))
+def test_two_runs_are_bitwise_identical(layout, dtype):
     inputs = [t.cuda() for t in make_inputs(32, 8, 4, 1, 256, 4096, 128, dtype=dtype, padded=True, seed=11)]
     a = run_poisoned(*inputs)
     b = run_poisoned(*inputs)

@@ -71,16 +71,22 @@ def _greedy(logits: torch.Tensor, k: torch.Tensor, eos) -> torch.Tensor:
     return scores.argmax(-1)
 
 
+def _choose(logits: torch.Tensor, k: torch.Tensor, unfinished: torch.Tensor, eos, pad) -> torch.Tensor:
+    """Stock's next tokens ``[R]`` from ``logits [R, V]``: ``_greedy``, then ``pad`` for rows already finished, and
+    ``unfinished [R]`` bool updated in place for rows that just made EOS."""
+    nxt = _greedy(logits, k, eos)
+    if eos is not None:
+        nxt = torch.where(unfinished, nxt, pad)
+        unfinished.logical_and_(~torch.isin(nxt, eos[0]))
+    return nxt
+
+
 def _decode_step(model, name: str, cache, tok, pos, k, unfinished, eos, pad) -> None:
     """One greedy step in place: ``tok [R, 1]`` int64 (in: last token, out: next), ``pos [R, 1]`` int64 its
     position, ``k`` 0-d int64 tokens made so far, ``unfinished [R]`` bool, ``eos`` as in ``_greedy``, ``pad`` 0-d
     int64; exactly stock's bookkeeping."""
     logits = model(input_ids=tok, position_ids=pos, use_cache=True, logits_to_keep=1, **{name: cache}).logits
-    nxt = _greedy(logits[:, -1, :], k, eos)
-    if eos is not None:
-        nxt = torch.where(unfinished, nxt, pad)
-        unfinished.logical_and_(~torch.isin(nxt, eos[0]))
-    tok.copy_(nxt[:, None])
+    tok.copy_(_choose(logits[:, -1, :], k, unfinished, eos, pad)[:, None])
     pos.add_(1)
     k.add_(1)
 
@@ -202,13 +208,11 @@ def fast_generate(model, ids: torch.Tensor, mask: torch.Tensor, cache, gen: Gene
                    **{cache_kwarg_name(model): cache}).logits
     step = _stepper(model, cache, R, eos, pad, compile_config)
     step.k.zero_()
-    first = _greedy(logits[:, -1, :], step.k, eos)
+    step.unfinished.fill_(True)
+    first = _choose(logits[:, -1, :], step.k, step.unfinished, eos, pad)
     step.k.fill_(1)
     step.tok.copy_(first[:, None])
     step.pos.copy_(pos[:, -1:] + 1)
-    step.unfinished.fill_(True)
-    if eos is not None:
-        step.unfinished.logical_and_(~torch.isin(first, eos[0]))
     tokens, sent = [first], 0
     while True:
         done = len(tokens) >= n_new or (eos is not None and not bool(step.unfinished.any()))  # the host's one look

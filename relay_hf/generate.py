@@ -11,7 +11,7 @@ import warnings
 from dataclasses import dataclass
 
 import torch
-from transformers import LogitsProcessorList, StoppingCriteriaList
+from transformers import CompileConfig, LogitsProcessorList, StoppingCriteriaList
 from transformers.generation.streamers import BaseStreamer
 
 from ._compat import cache_kwarg_name
@@ -267,8 +267,6 @@ def _static_cache(model, base: RelayCache, plan: dict) -> RelayCache:
 
 def _compile_config(model, gen):
     """The ``CompileConfig`` transformers would compile the decode step with, or ``None`` where it would not."""
-    from transformers import CompileConfig
-
     if gen.disable_compile:
         return None
     config = gen.compile_config or CompileConfig()

@@ -1,5 +1,6 @@
-"""Triton relay attention: one launch computes every partial (prefix read once per batch, split-KV; each row's suffix,
-split when the batch is small), a second tiny launch merges them by LSE.
+"""Triton relay attention: partials for the prefix (read once per batch, split-KV) and for each row's suffix (split
+when the batch is small), merged by LSE. Two layouts, picked by the row count (``SEPARATE_ROWS``): one launch for
+all partials plus a tiny merge launch, or a prefix launch then a suffix launch that merges (see 3.).
 
 1. ``_partials_kernel`` — grid ``(prefix_units + suffix_units, H_kv)``; a program is one of two kinds of unit:
 
@@ -10,11 +11,14 @@ split when the batch is small), a second tiny launch merges them by LSE.
    * suffix unit ``(row, row block, split)``: one row's ``G*L_q`` queries against a split of its own left-padded
      suffix (causal, GQA without expanding K/V).
 
-   Both kinds run in the same wave, so the prefix and suffix reads overlap. Each writes a normalised fp32 partial
-   output and its natural-log LSE into its own slot: prefix split ``s`` -> slot ``s``, suffix split ``t`` -> slot
-   ``prefix_splits + t``.
+   Both kinds run in the same wave, so the prefix and suffix reads overlap. Each writes a normalised partial output
+   (fp32, or the input dtype with ``PARTIAL_HALF``) and its natural-log fp32 LSE into its own slot: prefix split
+   ``s`` -> slot ``s``, suffix split ``t`` -> slot ``prefix_splits + t``.
 2. ``_merge_kernel`` — grid ``(row blocks, H_kv)``: loads every slot of its rows in one tile, weights them by LSE
    (fixed reduction trees: deterministic, no atomics) and writes the output once, in the input dtype.
+3. Separate layout: ``_partials_kernel`` with ``KIND=1`` (prefix units only), then with ``KIND=2`` (suffix units
+   only, own tiles); with one suffix split and few prefix slots each suffix unit merges its rows' prefix slots the
+   way ``_merge_kernel`` does and writes the output, so there is no merge launch.
 
 Tensor contract (see ``relay_hf.relay_attention``): ``query [B, H_q, L_q, D]``, ``prefix_* [1, H_kv, P, D]``,
 ``suffix_* [B, H_kv, L_s, D]``, ``suffix_lengths [B]`` int or None, ``suffix_end`` one-element int tensor or None.
@@ -116,6 +120,12 @@ if triton is not None:
         return tl.dot(a, b)
 
     @triton.jit
+    def _empty(BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr):
+        """The running ``(m, l, acc)`` of rows that have seen no key yet."""
+        return (tl.full([BLOCK_M], float("-inf"), tl.float32), tl.zeros([BLOCK_M], tl.float32),
+                tl.zeros([BLOCK_M, BLOCK_D], tl.float32))
+
+    @triton.jit
     def _attend(m, l, acc, q, K, V, sk_n, sk_d, sv_n, sv_d, lo, hi, first, q_pos, d, d_ok, scale_log2,
                 BLOCK_N: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr,
                 IEEE: tl.constexpr, DOT_F32: tl.constexpr):
@@ -127,15 +137,12 @@ if triton is not None:
         # a masked prefix call covers at most P's last partial tile: not worth a software pipeline
         for n0 in tl.range(lo, hi, BLOCK_N, num_stages=1 if MASKED and not CAUSAL else None):
             cols = n0 + tl.arange(0, BLOCK_N)
+            k_ok, v_ok = d_ok[:, None], d_ok[None, :]
             if MASKED:
                 col_ok = (cols < hi) & (cols >= first)
-                k = tl.load(K + cols[None, :] * sk_n + d[:, None] * sk_d, mask=col_ok[None, :] & d_ok[:, None],
-                            other=0.0)  # [BLOCK_D, BLOCK_N]
-                v = tl.load(V + cols[:, None] * sv_n + d[None, :] * sv_d, mask=col_ok[:, None] & d_ok[None, :],
-                            other=0.0)  # [BLOCK_N, BLOCK_D]
-            else:
-                k = tl.load(K + cols[None, :] * sk_n + d[:, None] * sk_d, mask=d_ok[:, None], other=0.0)
-                v = tl.load(V + cols[:, None] * sv_n + d[None, :] * sv_d, mask=d_ok[None, :], other=0.0)
+                k_ok, v_ok = k_ok & col_ok[None, :], v_ok & col_ok[:, None]
+            k = tl.load(K + cols[None, :] * sk_n + d[:, None] * sk_d, mask=k_ok, other=0.0)  # [BLOCK_D, BLOCK_N]
+            v = tl.load(V + cols[:, None] * sv_n + d[None, :] * sv_d, mask=v_ok, other=0.0)  # [BLOCK_N, BLOCK_D]
             s = _dot(q, k, IEEE, DOT_F32)  # raw scores [BLOCK_M, BLOCK_N]
             if MASKED:
                 visible = col_ok[None, :]
@@ -160,7 +167,8 @@ if triton is not None:
 
     @triton.jit
     def _store_partial(PO, PLSE, slot, h, H_kv, N, n, n_ok, m, l, acc, d, d_ok, D):
-        """Normalised fp32 partial and natural-log LSE of rows ``n`` into ``slot``; an empty part gets (0, -inf)."""
+        """Normalised partial (in ``PO``'s dtype) and natural-log fp32 LSE of rows ``n`` into ``slot``; an empty part
+        gets (0, -inf)."""
         out = acc / tl.where(l == 0.0, 1.0, l)[:, None]
         lse = tl.where(l == 0.0, float("-inf"), (m + tl.log2(l)) * 0.6931471805599453)
         base = (slot * H_kv + h) * N + n
@@ -184,9 +192,7 @@ if triton is not None:
         lo = split * prefix_per * BLOCK_N
         hi = tl.minimum(lo + prefix_per * BLOCK_N, P)
         full = lo + (hi - lo) // BLOCK_N * BLOCK_N  # splits start on tile boundaries: only P's last tile is partial
-        m = tl.full([BLOCK_M], float("-inf"), tl.float32)
-        l = tl.zeros([BLOCK_M], tl.float32)
-        acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+        m, l, acc = _empty(BLOCK_M, BLOCK_D)
         PKh, PVh = PK + h * spk_h, PV + h * spv_h
         m, l, acc = _attend(m, l, acc, q, PKh, PVh, spk_p, spk_d, spv_p, spv_d, lo, full, 0, i, d, d_ok, scale_log2,
                             BLOCK_N, False, False, IEEE, DOT_F32)
@@ -195,13 +201,12 @@ if triton is not None:
         _store_partial(PO, PLSE, split, h, H_kv, N, n, n_ok, m, l, acc, d, d_ok, D)
 
     @triton.jit
-    def _merge_prefix_slots(PO, PLSE, m, l, acc, h, H_kv, N, n, n_ok, d, d_ok, D, prefix_splits,
-                            BLOCK_S: tl.constexpr):
-        """Fold the prefix partials of rows ``n`` (slots ``0 .. prefix_splits-1``, normalised, natural-log LSE) into
-        the running ``(m, l, acc)`` and return the normalised output. All slots load as one ``[rows, BLOCK_S, D]``
-        tile (one round trip, not a chain of loads) and sum by a fixed tree, so the result is deterministic."""
+    def _merge_slots(PO, PLSE, m, l, acc, h, H_kv, N, n, n_ok, d, d_ok, D, slots, BLOCK_S: tl.constexpr):
+        """Fold the partials of rows ``n`` in slots ``0 .. slots-1`` (normalised, natural-log LSE) into the running
+        ``(m, l, acc)`` and return the normalised output. All slots load as one ``[rows, BLOCK_S, D]`` tile (one round
+        trip, not a chain of loads) and sum by a fixed tree, so the result is deterministic."""
         s = tl.arange(0, BLOCK_S)
-        ok = n_ok[:, None] & (s < prefix_splits)[None, :]
+        ok = n_ok[:, None] & (s < slots)[None, :]
         base = (s[None, :] * H_kv + h) * N + n[:, None]
         x = tl.load(PLSE + base, mask=ok, other=float("-inf")) * 1.4426950408889634
         o = tl.load(PO + base[:, :, None] * D + d[None, None, :], mask=ok[:, :, None] & d_ok[None, None, :],
@@ -240,15 +245,13 @@ if triton is not None:
         lo = split * suffix_per * BLOCK_N
         hi = tl.minimum(lo + suffix_per * BLOCK_N, end)
         lo = tl.maximum(lo, (first // BLOCK_N) * BLOCK_N)  # skip whole tiles of padding
-        m = tl.full([BLOCK_M], float("-inf"), tl.float32)
-        l = tl.zeros([BLOCK_M], tl.float32)
-        acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+        m, l, acc = _empty(BLOCK_M, BLOCK_D)
         m, l, acc = _attend(m, l, acc, q, SK + b * ssk_b + h * ssk_h, SV + b * ssv_b + h * ssv_h, ssk_s, ssk_d,
                             ssv_s, ssv_d, lo, hi, first, end - L_q + i, d, d_ok, scale_log2,
                             BLOCK_N, True, True, IEEE, DOT_F32)
         n = b * G * L_q + r
         if FUSE:
-            out = _merge_prefix_slots(PO, PLSE, m, l, acc, h, H_kv, N, n, r_ok, d, d_ok, D, prefix_splits, FUSE)
+            out = _merge_slots(PO, PLSE, m, l, acc, h, H_kv, N, n, r_ok, d, d_ok, D, prefix_splits, FUSE)
             _store_out(O, so_b, so_h, so_l, so_d, n, r_ok, h, G, L_q, d, d_ok, out)
         else:
             _store_partial(PO, PLSE, prefix_splits + split, h, H_kv, N, n, r_ok, m, l, acc, d, d_ok, D)
@@ -285,24 +288,14 @@ if triton is not None:
     @triton.jit
     def _merge_kernel(PO, PLSE, O, so_b, so_h, so_l, so_d, N, L_q, G, D, slots,
                       BLOCK_R: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr):
-        """Rows ``n`` of head ``h``: all ``slots`` partials at once as a ``[BLOCK_R, BLOCK_S, BLOCK_D]`` tile (one
-        round trip to memory instead of a dependent chain per slot), weighted by ``exp(lse - max lse)``; the sums are
-        fixed reduction trees, so the result is bitwise reproducible."""
+        """Rows ``n`` of head ``h``: all ``slots`` partials at once (``_merge_slots`` from an empty state), written once
+        in ``O``'s dtype; bitwise reproducible."""
         pid, h = tl.program_id(0), tl.program_id(1)
-        H_kv = tl.num_programs(1)
         n = pid * BLOCK_R + tl.arange(0, BLOCK_R)
-        s = tl.arange(0, BLOCK_S)
         d = tl.arange(0, BLOCK_D)
         n_ok, d_ok = n < N, d < D
-        ok = n_ok[:, None] & (s < slots)[None, :]  # [BLOCK_R, BLOCK_S]
-        base = (s[None, :] * H_kv + h) * N + n[:, None]
-        x = tl.load(PLSE + base, mask=ok, other=float("-inf")) * 1.4426950408889634
-        o = tl.load(PO + base[:, :, None] * D + d[None, None, :], mask=ok[:, :, None] & d_ok[None, None, :],
-                    other=0.0).to(tl.float32)  # [BLOCK_R, BLOCK_S, BLOCK_D]
-        m = tl.max(x, 1)
-        w = tl.exp2(x - tl.where(m == float("-inf"), 0.0, m)[:, None])  # empty slots: exp2(-inf) = 0
-        l = tl.sum(w, 1)
-        out = tl.sum(o * w[:, :, None], 1) / tl.where(l == 0.0, 1.0, l)[:, None]
+        m, l, acc = _empty(BLOCK_R, BLOCK_D)
+        out = _merge_slots(PO, PLSE, m, l, acc, h, tl.num_programs(1), N, n, n_ok, d, d_ok, D, slots, BLOCK_S)
         _store_out(O, so_b, so_h, so_l, so_d, n, n_ok, h, G, L_q, d, d_ok, out)
 
 

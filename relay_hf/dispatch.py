@@ -1,8 +1,8 @@
 """When relay pays: the one place that decides relay vs the plain (stock SDPA) path for a batch.
 
-The numbers come from ``python -m relay_hf.bench kernel`` on an H200 (docs/performance.md, session 4): per decode
+The numbers come from ``python -m relay_hf.bench kernel`` on an H200 (docs/performance.md, session 5): per decode
 step the Triton relay kernel beats SDPA over the prefix expanded to the batch from ``rows * prefix_length`` = 4096
-tokens on (B=8, S=512: 1.27x; B=8, S=1024: 1.54x). At one row the kernel alone is 0.99-1.40x SDPA's speed, but a
+tokens on (B=8, S=512: 1.31x; B=8, S=1024: 1.56x). At one row the kernel alone is 0.97-1.43x SDPA's speed, but a
 single row has nothing to share, so ``generate`` runs stock there (no prefix split, stock cache). On CPU the PyTorch
 path wins as soon as two rows share the prefix.
 """

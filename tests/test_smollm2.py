@@ -82,11 +82,19 @@ def _chat_batch(tokenizer, system_prompt, device):
 
 
 @pytest.mark.gpu
-def test_compiled_relay_equals_eager_relay_on_gpu(smollm2, system_prompt, relay_on_small_batches):
+@pytest.mark.parametrize("separate", [False, True], ids=["kernel layout by rule", "separate launches with PDL"])
+def test_compiled_relay_equals_eager_relay_on_gpu(smollm2, system_prompt, relay_on_small_batches, separate,
+                                                   monkeypatch):
     """fp32, static RelayCache: relay_hf's decode loop (step compiled by inductor, captured as one CUDA graph) and
     transformers' compiled loop (inductor + CUDA graphs; asked for through ``return_dict_in_generate``) both give the
-    eager relay path's tokens."""
+    eager relay path's tokens. 6 rows x 3 query heads per KV head are below ``SEPARATE_ROWS``; the second case forces
+    the separate prefix/suffix launches (the suffix launch programmatically dependent on the prefix launch)."""
+    from relay_hf.kernels import triton_relay
+
     model, tokenizer = smollm2
+    if separate:
+        monkeypatch.setattr(triton_relay, "SEPARATE_ROWS", (1, 1 << 30))
+        model.__dict__.pop("_compiled_call", None)  # its CUDA graphs were captured with the other layout
     batch = _chat_batch(tokenizer, system_prompt, "cuda")
     relay_hf.patch(model.cuda())
     try:

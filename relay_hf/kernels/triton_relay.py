@@ -18,7 +18,9 @@ all partials plus a tiny merge launch, or a prefix launch then a suffix launch t
    (fixed reduction trees: deterministic, no atomics) and writes the output once, in the input dtype.
 3. Separate layout: ``_partials_kernel`` with ``KIND=1`` (prefix units only), then with ``KIND=2`` (suffix units
    only, own tiles); with one suffix split and few prefix slots each suffix unit merges its rows' prefix slots the
-   way ``_merge_kernel`` does and writes the output, so there is no merge launch.
+   way ``_merge_kernel`` does and writes the output, so there is no merge launch. On Hopper+ that fused suffix launch
+   is a programmatic dependent launch (``PDL``): it starts while the prefix launch runs and waits only before the
+   merge. The prefix's full K/V tiles load through TMA descriptors where possible (``PREFIX_TMA``).
 
 Tensor contract (see ``relay_hf.relay_attention``): ``query [B, H_q, L_q, D]``, ``prefix_* [1, H_kv, P, D]``,
 ``suffix_* [B, H_kv, L_s, D]``, ``suffix_lengths [B]`` int or None, ``suffix_end`` one-element int tensor or None.
@@ -29,6 +31,7 @@ from __future__ import annotations
 
 import functools
 import os
+from typing import NamedTuple
 
 import torch
 
@@ -37,6 +40,10 @@ try:
     import triton.language as tl
 except ImportError:  # pragma: no cover - triton is a Linux dependency
     triton = None
+try:
+    from triton.tools.tensor_descriptor import TensorDescriptor
+except ImportError:  # pragma: no cover - triton without TMA descriptors: pointer loads only
+    TensorDescriptor = None
 
 from .reference import check_relay_inputs
 
@@ -54,12 +61,30 @@ PARTIAL_HALF = True  # fp16/bf16 inputs: partial outputs in the input dtype (hal
 # Separate layout: for N = B*G*L_q rows in SEPARATE_ROWS the prefix and the suffix run as two launches, each compiled
 # for its own tiles (the suffix's lighter programs then fit 3-5 per SM), the prefix split for SEPARATE_SPLIT =
 # (SPLIT_WAVES, PARTIAL_BUDGET), and the suffix launch merges the prefix partials itself when there are at most
-# FUSED_MERGE_SLOTS of them (no merge launch). Measured on the H200 (docs/kernel_notes.md, session 4): 4096 x 32:
-# 25.7 -> 23.2 us, 4096 x 64 (L_s 96): 33.8 -> 24.2 us, but 1024 x 8: 8.3 -> 12.7 us and 4096 x 128: 62.1 -> 70.6 us.
-SEPARATE_ROWS = (128, 256)
+# FUSED_MERGE_SLOTS of them and its [rows, slots, D] merge tile has at most FUSED_MERGE_TILE rows x slots (no merge
+# launch). Measured on the H200 with PDL (below; docs/kernel_notes.md, session 5, us): one launch -> separate at
+# 4096 x 16: 15.8 -> 12.7 (then without the fused merge), 4096 x 128: 63.5 -> 59.1; at 32 rows it lost (1024 x 8:
+# 8.3 -> 8.8), hence [64, 512]; but 16384 x 128 went 123.4 -> 132.7 (a tail wave of prefix programs).
+# 16 fused slots instead of 8: 16384 x 32: 42.5 -> 34.3 (its 16 prefix splits no longer need a merge launch).
+SEPARATE_ROWS = (64, 512)
 SUFFIX_TILES = {64: (32, 4, 3), 128: (32, 4, 3), 256: (32, 8, 2)}
 SEPARATE_SPLIT = (2, 4)
-FUSED_MERGE_SLOTS = 8
+FUSED_MERGE_SLOTS = 16
+FUSED_MERGE_TILE = 512
+# The separate layout's prefix launch: head dim -> (BLOCK_M query rows, BLOCK_N keys, warps, stages). 128-row blocks
+# with 8 warps (one K/V tile in shared memory for twice the rows) and 2 stages were slower on the H200 (session 5).
+PREFIX_TILES = {64: (64, 64, 4, 3), 128: (64, 64, 4, 3), 256: (64, 32, 8, 2)}
+# Prefix K/V full tiles through TMA tensor descriptors (Hopper+ or the interpreter; fp16/bf16, head dim a power of
+# two, 16-byte aligned strides): no address registers, no per-element predicates.
+PREFIX_TMA = True
+# Programmatic dependent launch (Hopper+) of the separate layout's fused suffix launch: it is queued as soon as every
+# prefix program has started (instead of after the prefix launch drains), its programs stream their suffix K/V as SM
+# room frees, and wait (griddepcontrol.wait) only before they read the prefix partials. Measured (H200, session 5,
+# warm us): 4096 x 32: 24.3 -> 18.1, 4096 x 64 (L_s 96): 23.9 -> 22.7, 8192 x 64 (L_s 96): 32.7 -> 31.3. It lost
+# where the suffix launch does not merge (waiting before exit; 16384 x 32 with 8 fused slots: 39.7 -> 42.5) and on
+# the merge launch (1024 x 8: 8.2 -> 8.7, 4096 x 128: 63.5 -> 65.9: waiting programs hold SM slots), so it is used
+# for the fused suffix launch only.
+PDL = True
 
 
 def triton_available() -> bool:
@@ -149,13 +174,34 @@ if triton is not None:
                 if CAUSAL:
                     visible = visible & (cols[None, :] <= q_pos[:, None])
                 s = tl.where(visible, s, float("-inf"))
-            m_new = tl.maximum(m, tl.max(s, 1) * scale_log2)
+            m, l, acc = _softmax_step(m, l, acc, s, v, scale_log2, MASKED, IEEE, DOT_F32)
+        return m, l, acc
+
+    @triton.jit
+    def _softmax_step(m, l, acc, s, v, scale_log2, MASKED: tl.constexpr, IEEE: tl.constexpr, DOT_F32: tl.constexpr):
+        """Fold raw scores ``s [BLOCK_M, BLOCK_N]`` and their values ``v [BLOCK_N, BLOCK_D]`` into the running
+        ``(m, l, acc)``. Only ``MASKED`` tiles can leave a row max at -inf (a fully hidden row), so only they need the
+        guard that keeps ``exp2(-inf - -inf)`` out."""
+        m_new = tl.maximum(m, tl.max(s, 1) * scale_log2)
+        m_safe = m_new
+        if MASKED:
             m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-            p = tl.exp2(s * scale_log2 - m_safe[:, None])
-            alpha = tl.exp2(m - m_safe)
-            l = l * alpha + tl.sum(p, 1)
-            acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, IEEE, DOT_F32)
-            m = m_new
+        p = tl.exp2(s * scale_log2 - m_safe[:, None])
+        alpha = tl.exp2(m - m_safe)
+        l = l * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, IEEE, DOT_F32)
+        return m_new, l, acc
+
+    @triton.jit
+    def _attend_tma(m, l, acc, q, KD, VD, h, lo, hi, scale_log2, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+                    DOT_F32: tl.constexpr):
+        """``_attend`` over full tiles ``[lo, hi)`` of head ``h`` (unmasked: ``hi - lo`` is a multiple of
+        ``BLOCK_N``) with K/V tiles from TMA descriptors over ``[H_kv, P, D]``."""
+        for n0 in tl.range(lo, hi, BLOCK_N):
+            k = KD.load([h, n0, 0]).reshape(BLOCK_N, BLOCK_D)  # [BLOCK_N, BLOCK_D]
+            v = VD.load([h, n0, 0]).reshape(BLOCK_N, BLOCK_D)
+            s = _dot(q, k.T, False, DOT_F32)  # raw scores [BLOCK_M, BLOCK_N]
+            m, l, acc = _softmax_step(m, l, acc, s, v, scale_log2, False, False, DOT_F32)
         return m, l, acc
 
     @triton.jit
@@ -176,10 +222,10 @@ if triton is not None:
         tl.store(PLSE + base, lse, mask=n_ok)
 
     @triton.jit
-    def _prefix_unit(Q, PK, PV, PO, PLSE, u, h, H_kv, sq_b, sq_h, sq_l, sq_d, spk_h, spk_p, spk_d, spv_h, spv_p, spv_d,
-                     N, P, L_q, G, D, scale_log2, prefix_blocks, prefix_per,
+    def _prefix_unit(Q, PK, PV, KD, VD, PO, PLSE, u, h, H_kv, sq_b, sq_h, sq_l, sq_d, spk_h, spk_p, spk_d,
+                     spv_h, spv_p, spv_d, N, P, L_q, G, D, scale_log2, prefix_blocks, prefix_per,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-                     IEEE: tl.constexpr, DOT_F32: tl.constexpr):
+                     IEEE: tl.constexpr, DOT_F32: tl.constexpr, TMA: tl.constexpr):
         """Rows n = (b * G + g) * L_q + i of the whole batch against one split of the shared prefix -> slot split."""
         rb, split = u % prefix_blocks, u // prefix_blocks
         n = rb * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -194,8 +240,11 @@ if triton is not None:
         full = lo + (hi - lo) // BLOCK_N * BLOCK_N  # splits start on tile boundaries: only P's last tile is partial
         m, l, acc = _empty(BLOCK_M, BLOCK_D)
         PKh, PVh = PK + h * spk_h, PV + h * spv_h
-        m, l, acc = _attend(m, l, acc, q, PKh, PVh, spk_p, spk_d, spv_p, spv_d, lo, full, 0, i, d, d_ok, scale_log2,
-                            BLOCK_N, False, False, IEEE, DOT_F32)
+        if TMA:
+            m, l, acc = _attend_tma(m, l, acc, q, KD, VD, h, lo, full, scale_log2, BLOCK_N, BLOCK_D, DOT_F32)
+        else:
+            m, l, acc = _attend(m, l, acc, q, PKh, PVh, spk_p, spk_d, spv_p, spv_d, lo, full, 0, i, d, d_ok,
+                                scale_log2, BLOCK_N, False, False, IEEE, DOT_F32)
         m, l, acc = _attend(m, l, acc, q, PKh, PVh, spk_p, spk_d, spv_p, spv_d, full, hi, 0, i, d, d_ok, scale_log2,
                             BLOCK_N, True, False, IEEE, DOT_F32)
         _store_partial(PO, PLSE, split, h, H_kv, N, n, n_ok, m, l, acc, d, d_ok, D)
@@ -224,7 +273,8 @@ if triton is not None:
                      ssk_b, ssk_h, ssk_s, ssk_d, ssv_b, ssv_h, ssv_s, ssv_d, so_b, so_h, so_l, so_d,
                      N, L_q, L_s, G, D, scale_log2, prefix_splits, suffix_blocks, suffix_splits, suffix_per,
                      HAS_LENS: tl.constexpr, HAS_END: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                     BLOCK_D: tl.constexpr, IEEE: tl.constexpr, DOT_F32: tl.constexpr, FUSE: tl.constexpr):
+                     BLOCK_D: tl.constexpr, IEEE: tl.constexpr, DOT_F32: tl.constexpr, FUSE: tl.constexpr,
+                     PDL: tl.constexpr):
         """Row b's queries r = g * L_q + i against one split of its own suffix -> slot prefix_splits + split. ``FUSE``
         > 0 (one suffix split, prefix partials written by an earlier launch, ``FUSE >= prefix_splits`` a power of
         two): merge with them and write ``O`` instead."""
@@ -251,13 +301,17 @@ if triton is not None:
                             BLOCK_N, True, True, IEEE, DOT_F32)
         n = b * G * L_q + r
         if FUSE:
+            # PDL: this launch started before the prefix launch finished; every program waits for it here, which
+            # also makes whatever follows this launch in the stream follow the prefix launch
+            if PDL:
+                tl.extra.cuda.gdc_wait()
             out = _merge_slots(PO, PLSE, m, l, acc, h, H_kv, N, n, r_ok, d, d_ok, D, prefix_splits, FUSE)
             _store_out(O, so_b, so_h, so_l, so_d, n, r_ok, h, G, L_q, d, d_ok, out)
         else:
             _store_partial(PO, PLSE, prefix_splits + split, h, H_kv, N, n, r_ok, m, l, acc, d, d_ok, D)
 
     @triton.jit
-    def _partials_kernel(Q, PK, PV, SK, SV, LENS, END, PO, PLSE, O,
+    def _partials_kernel(Q, PK, PV, KD, VD, SK, SV, LENS, END, PO, PLSE, O,
                          sq_b, sq_h, sq_l, sq_d, spk_h, spk_p, spk_d, spv_h, spv_p, spv_d,
                          ssk_b, ssk_h, ssk_s, ssk_d, ssv_b, ssv_h, ssv_s, ssv_d, so_b, so_h, so_l, so_d,
                          N, P, L_q, L_s, G, D, scale_log2,
@@ -265,25 +319,27 @@ if triton is not None:
                          HAS_LENS: tl.constexpr, HAS_END: tl.constexpr,
                          BLOCK_MP: tl.constexpr, BLOCK_MS: tl.constexpr, BLOCK_N: tl.constexpr,
                          BLOCK_D: tl.constexpr, IEEE: tl.constexpr, DOT_F32: tl.constexpr, KIND: tl.constexpr,
-                         FUSE: tl.constexpr):
+                         FUSE: tl.constexpr, TMA: tl.constexpr, PDL: tl.constexpr):
         """``KIND`` 0: prefix and suffix units in one grid; 1: prefix units only; 2: suffix units only (a launch of
         one kind compiles only that kind, so its tiles, shared memory and registers are its own). ``FUSE`` (KIND 2
         after a KIND 1 launch, one suffix split): each suffix unit merges its rows and writes ``O``."""
         u, h = tl.program_id(0), tl.program_id(1)
+        if PDL and KIND == 1:  # the suffix launch may start now; it waits for this one before reading its partials
+            tl.extra.cuda.gdc_launch_dependents()
         H_kv = tl.num_programs(1)
         if KIND == 2:
             u += prefix_blocks * prefix_splits
         # prefix units first (they share tiles through L2), then suffix units; both kinds in one wave
         if KIND != 2 and (KIND == 1 or u < prefix_blocks * prefix_splits):
-            _prefix_unit(Q, PK, PV, PO, PLSE, u, h, H_kv, sq_b, sq_h, sq_l, sq_d, spk_h, spk_p, spk_d,
+            _prefix_unit(Q, PK, PV, KD, VD, PO, PLSE, u, h, H_kv, sq_b, sq_h, sq_l, sq_d, spk_h, spk_p, spk_d,
                          spv_h, spv_p, spv_d, N, P, L_q, G, D, scale_log2, prefix_blocks, prefix_per,
-                         BLOCK_MP, BLOCK_N, BLOCK_D, IEEE, DOT_F32)
+                         BLOCK_MP, BLOCK_N, BLOCK_D, IEEE, DOT_F32, TMA)
         else:
             _suffix_unit(Q, SK, SV, LENS, END, PO, PLSE, O, u - prefix_blocks * prefix_splits, h, H_kv,
                          sq_b, sq_h, sq_l, sq_d, ssk_b, ssk_h, ssk_s, ssk_d, ssv_b, ssv_h, ssv_s, ssv_d,
                          so_b, so_h, so_l, so_d, N, L_q, L_s, G, D, scale_log2, prefix_splits, suffix_blocks,
                          suffix_splits, suffix_per, HAS_LENS, HAS_END, BLOCK_MS, BLOCK_N, BLOCK_D, IEEE, DOT_F32,
-                         FUSE)
+                         FUSE, PDL)
 
     @triton.jit
     def _merge_kernel(PO, PLSE, O, so_b, so_h, so_l, so_d, N, L_q, G, D, slots,
@@ -297,6 +353,56 @@ if triton is not None:
         m, l, acc = _empty(BLOCK_R, BLOCK_D)
         out = _merge_slots(PO, PLSE, m, l, acc, h, tl.num_programs(1), N, n, n_ok, d, d_ok, D, slots, BLOCK_S)
         _store_out(O, so_b, so_h, so_l, so_d, n, n_ok, h, G, L_q, d, d_ok, out)
+
+
+class _Plan(NamedTuple):
+    """One call's launch layout: which units run where, with which tiles (see the module docstring)."""
+
+    sep: bool  # separate prefix and suffix launches (else one launch for both kinds)
+    prefix: tuple[int, int, int, int]  # (BLOCK_M rows, BLOCK_N keys, warps, stages) of the prefix units
+    suffix: tuple[int, int, int, int]  # the same for the suffix units (one launch: the prefix's keys/warps/stages)
+    p_splits: int
+    p_per: int  # prefix tiles per split
+    s_splits: int
+    s_per: int
+    fuse: bool  # the suffix launch merges the prefix slots and writes the output (no merge launch)
+    pdl: bool  # the fused suffix launch starts while the prefix launch runs (PDL; a prefix, Hopper+)
+
+
+def _plan(B: int, N: int, G: int, L_q: int, P: int, L_s: int, H_kv: int, D: int, device: torch.device) -> _Plan:
+    block_d, block_n, warps, stages = _tile(D)
+    sep = SEPARATE_ROWS[0] <= N <= SEPARATE_ROWS[1]  # layout rule: see SEPARATE_ROWS
+    rows = lambda cap: min(cap, max(16, triton.next_power_of_2(N)))  # noqa: E731
+    if sep:
+        bm, bn, w, st = PREFIX_TILES[min(max(block_d, 64), 256)]
+        prefix, suffix = (rows(bm), bn, w, st), (_block_m(G * L_q), *_tile(D, SUFFIX_TILES)[1:])
+    else:
+        prefix, suffix = (rows(MAX_BLOCK_M), block_n, warps, stages), (_block_m(G * L_q), block_n, warps, stages)
+    sms = _num_sms(device.index or 0)
+    p_splits, p_per = plan_splits(P, N, H_kv, prefix[0], prefix[1], sms, *(SEPARATE_SPLIT if sep else ()))
+    s_splits, s_per = plan_suffix_splits(L_s, B * triton.cdiv(G * L_q, suffix[0]), H_kv, suffix[1], sms)
+    fuse = (sep and s_splits == 1 and p_splits <= FUSED_MERGE_SLOTS
+            and suffix[0] * triton.next_power_of_2(max(p_splits, 1)) <= FUSED_MERGE_TILE)
+    pdl = PDL and fuse and P > 0 and device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
+    return _Plan(sep, prefix, suffix, p_splits, p_per, s_splits, s_per, fuse, pdl)
+
+
+def _prefix_descriptors(prefix_key: torch.Tensor, prefix_value: torch.Tensor, block_n: int, block_d: int):
+    """TMA descriptors over ``[H_kv, P, D]`` for the prefix's full tiles, or ``(None, None)`` where TMA cannot run:
+    off Hopper+ (the interpreter emulates it), dtypes other than fp16/bf16, a padded head dim, strides or a base
+    that are not 16-byte aligned."""
+    interp = os.environ.get("TRITON_INTERPRET") == "1"
+    t = prefix_key
+    ok = (PREFIX_TMA and TensorDescriptor is not None and t.dtype in (torch.float16, torch.bfloat16)
+          and t.shape[-1] == block_d and t.shape[2] > 0
+          and (interp or (t.is_cuda and torch.cuda.get_device_capability(t.device)[0] >= 9)))
+    for x in (prefix_key, prefix_value):
+        ok = ok and x.stride(3) == 1 and all(x.stride(i) * x.element_size() % 16 == 0 for i in (1, 2)) \
+            and x.data_ptr() % 16 == 0
+    if not ok:
+        return None, None
+    return tuple(TensorDescriptor(x[0], list(x.shape[1:]), list(x.stride()[1:]), [1, block_n, block_d])
+                 for x in (prefix_key, prefix_value))
 
 
 def relay_attention_triton(query: torch.Tensor, prefix_key: torch.Tensor, prefix_value: torch.Tensor,
@@ -317,45 +423,39 @@ def relay_attention_triton(query: torch.Tensor, prefix_key: torch.Tensor, prefix
     scale = D ** -0.5 if scale is None else scale
     if not scale > 0:  # the kernels fold the scale into exp2 after the row max, which needs scale > 0
         raise ValueError(f"the Triton relay kernel needs scale > 0, got {scale}; use relay_attention_torch")
-    scale_log2 = scale * LOG2E
-    ieee = query.dtype == torch.float32
-    # the CPU interpreter's tl.dot cannot multiply bf16 (numpy has no bf16): upcast there, only there
-    dot_f32 = query.dtype == torch.bfloat16 and os.environ.get("TRITON_INTERPRET") == "1"
     if out is None:
         out = torch.empty(B, L_q, H_q, D, dtype=query.dtype, device=query.device).transpose(1, 2)
-    block_d, block_n, warps, stages = _tile(D)
-    sep = SEPARATE_ROWS[0] <= N <= SEPARATE_ROWS[1]  # layout rule: see SEPARATE_ROWS
-    block_ns, warps_s, stages_s = _tile(D, SUFFIX_TILES)[1:] if sep else (block_n, warps, stages)
-    sms = _num_sms(query.device.index or 0)
-    block_mp, block_ms = _block_m(N), _block_m(G * L_q)
-    p_blocks, s_blocks = triton.cdiv(N, block_mp), triton.cdiv(G * L_q, block_ms)
-    p_splits, p_per = plan_splits(P, N, H_kv, block_mp, block_n, sms, *(SEPARATE_SPLIT if sep else ()))
-    s_splits, s_per = plan_suffix_splits(L_s, B * s_blocks, H_kv, block_ns, sms)
-    fuse = sep and s_splits == 1 and p_splits <= FUSED_MERGE_SLOTS
-    slots = p_splits + (0 if fuse else s_splits)
+    plan = _plan(B, N, G, L_q, P, L_s, H_kv, D, query.device)
+    (block_mp, block_n, warps, stages), (block_ms, block_ns, warps_s, stages_s) = plan.prefix, plan.suffix
+    block_d = _tile(D)[0]
+    slots = plan.p_splits + (0 if plan.fuse else plan.s_splits)
     half = PARTIAL_HALF and query.dtype in (torch.float16, torch.bfloat16)
     po = torch.empty(max(slots, 1), H_kv, N, D, dtype=query.dtype if half else torch.float32, device=query.device)
     plse = torch.empty(max(slots, 1), H_kv, N, dtype=torch.float32, device=query.device)
     lens = suffix_lengths if suffix_lengths is not None else plse  # placeholders, never read when absent
     end = suffix_end if suffix_end is not None else plse
-    p_units, s_units = p_blocks * p_splits, B * s_blocks * s_splits
-    args = (query, prefix_key, prefix_value, suffix_key, suffix_value, lens, end, po, plse, out,
+    kd, vd = _prefix_descriptors(prefix_key, prefix_value, block_n, block_d)
+    p_blocks, s_blocks = triton.cdiv(N, block_mp), triton.cdiv(G * L_q, block_ms)
+    p_units, s_units = p_blocks * plan.p_splits, B * s_blocks * plan.s_splits
+    args = (query, prefix_key, prefix_value, kd, vd, suffix_key, suffix_value, lens, end, po, plse, out,
             *query.stride(), *prefix_key.stride()[1:], *prefix_value.stride()[1:],
-            *suffix_key.stride(), *suffix_value.stride(), *out.stride(),
-            N, P, L_q, L_s, G, D, scale_log2, p_blocks, p_splits, p_per, s_blocks, s_splits, s_per)
+            *suffix_key.stride(), *suffix_value.stride(), *out.stride(), N, P, L_q, L_s, G, D, scale * LOG2E,
+            p_blocks, plan.p_splits, plan.p_per, s_blocks, plan.s_splits, plan.s_per)
+    # the CPU interpreter's tl.dot cannot multiply bf16 (numpy has no bf16): upcast there, only there
     flags = dict(HAS_LENS=suffix_lengths is not None, HAS_END=suffix_end is not None, BLOCK_MP=block_mp,
-                 BLOCK_MS=block_ms, BLOCK_D=block_d, IEEE=ieee, DOT_F32=dot_f32)
-    if not sep:
+                 BLOCK_MS=block_ms, BLOCK_D=block_d, IEEE=query.dtype == torch.float32, TMA=kd is not None,
+                 PDL=plan.pdl, DOT_F32=query.dtype == torch.bfloat16 and os.environ.get("TRITON_INTERPRET") == "1")
+    if not plan.sep:
         _partials_kernel[(p_units + s_units, H_kv)](*args, **flags, BLOCK_N=block_n, KIND=0, FUSE=0,
                                                     num_warps=warps, num_stages=stages)
     else:
         if p_units:
             _partials_kernel[(p_units, H_kv)](*args, **flags, BLOCK_N=block_n, KIND=1, FUSE=0, num_warps=warps,
                                               num_stages=stages)
-        fuse_slots = max(1, triton.next_power_of_2(p_splits)) if fuse else 0
+        fuse_slots = max(1, triton.next_power_of_2(plan.p_splits)) if plan.fuse else 0
         _partials_kernel[(s_units, H_kv)](*args, **flags, BLOCK_N=block_ns, KIND=2, FUSE=fuse_slots,
-                                          num_warps=warps_s, num_stages=stages_s)
-    if fuse:
+                                          num_warps=warps_s, num_stages=stages_s, launch_pdl=plan.pdl)
+    if plan.fuse:
         return out
     tile, merge_warps = MERGE_TILE
     block_s = triton.next_power_of_2(slots)

@@ -66,10 +66,11 @@ def test_static_buffer_reads_only_up_to_suffix_end(dtype, L_q, P):
     assert rel_err(out, ref) < TOL[dtype]
 
 
-LAYOUTS = {"one launch": dict(SEPARATE_ROWS=(0, -1)),
-           "separate, fused merge": dict(SEPARATE_ROWS=(1, 1 << 30), FUSED_MERGE_SLOTS=32),
-           "separate, merge launch": dict(SEPARATE_ROWS=(1, 1 << 30), FUSED_MERGE_SLOTS=0),
-           "fp32 partials": dict(PARTIAL_HALF=False)}
+LAYOUTS = {"one_launch": dict(SEPARATE_ROWS=(0, -1)),
+           "separate_fused_merge": dict(SEPARATE_ROWS=(1, 1 << 30), FUSED_MERGE_SLOTS=32, FUSED_MERGE_TILE=1 << 30),
+           "separate_merge_launch": dict(SEPARATE_ROWS=(1, 1 << 30), FUSED_MERGE_SLOTS=0),
+           "fp32_partials": dict(PARTIAL_HALF=False),
+           "pointer_loads_no_pdl": dict(SEPARATE_ROWS=(1, 1 << 30), PREFIX_TMA=False, PDL=False)}
 
 
 @pytest.fixture(params=list(LAYOUTS))
@@ -86,6 +87,33 @@ def test_every_layout_matches_reference(layout, dtype, G, L_q, P, L_s):
     check(3, 2, G, L_q, L_s, P, 64, dtype, padded=True, seed=G + P)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_strided_prefix_matches_reference(dtype):
+    """A prefix laid out ``[1, P, H_kv, D]`` in memory (what a transposed projection gives): the TMA descriptors
+    follow its strides."""
+    q, pk, pv, sk, sv, lens = [t.to(DEVICE) if t is not None else None
+                               for t in make_inputs(3, 2, 4, 1, 9, 150, 64, dtype=dtype, padded=True, seed=5)]
+    pk, pv = (t.transpose(1, 2).contiguous().transpose(1, 2) for t in (pk, pv))
+    assert not pk.is_contiguous() and triton_relay._prefix_descriptors(pk, pv, 64, 64)[0] is not None
+    out = run_poisoned(q, pk, pv, sk, sv, lens)
+    assert rel_err(out, dense_reference(q, pk, pv, sk, sv, suffix_lengths=lens)) < TOL[dtype]
+
+
+def test_tma_only_where_it_can_run():
+    """Descriptors for fp16/bf16 with an unpadded head dim and 16-byte aligned strides; pointer loads otherwise."""
+    def desc(dtype=torch.bfloat16, D=64, P=128):
+        t = torch.randn(1, 2, P, D, device=DEVICE).to(dtype)
+        return triton_relay._prefix_descriptors(t, t, 64, triton_relay._tile(D)[0])[0]
+
+    if DEVICE == "cuda" and torch.cuda.get_device_capability()[0] < 9:
+        assert desc() is None
+        return
+    assert desc() is not None
+    assert desc(torch.float32) is None and desc(D=96) is None and desc(P=0) is None
+    odd = torch.randn(1, 2, 128, 68, device=DEVICE).to(torch.bfloat16)[..., :64]  # 136-byte rows: not 16-aligned
+    assert triton_relay._prefix_descriptors(odd, odd, 64, 64)[0] is None
+
+
 def test_empty_row_without_prefix_is_zero():
     out, _ = check(2, 1, 2, 1, 5, 0, 64, torch.float32, padded=True)
     assert out[0].abs().max() == 0  # row 0 has no valid suffix token and there is no prefix
@@ -98,6 +126,18 @@ def test_split_plan_fills_the_gpu_and_bounds_partials():
     splits, per = plan_splits(P=4096, N=128, H_kv=8, block_m=64, block_n=64, num_sms=132)
     assert splits * 128 * PARTIAL_BUDGET <= 4096 and splits * per * 64 >= 4096
     assert plan_splits(P=10, N=512, H_kv=8, block_m=64, block_n=64, num_sms=132) == (1, 1)
+
+
+def test_fused_merge_only_for_small_merge_tiles(monkeypatch):
+    """The suffix launch merges the prefix slots itself only while its ``[rows, slots, D]`` tile stays small: decode
+    (4 query rows per KV head, 16-row block) fuses 16 slots; a 64-row append block with as many slots does not. PDL
+    never applies off CUDA."""
+    monkeypatch.setattr(triton_relay, "_num_sms", lambda index: 132)  # an H200's SM count
+    cpu = torch.device("cpu")
+    decode = triton_relay._plan(B=32, N=128, G=4, L_q=1, P=16384, L_s=256, H_kv=8, D=128, device=cpu)
+    assert decode.sep and decode.p_splits == 16 and decode.s_splits == 1 and decode.fuse and not decode.pdl
+    append = triton_relay._plan(B=2, N=128, G=4, L_q=16, P=16384, L_s=32, H_kv=8, D=128, device=cpu)
+    assert append.sep and append.p_splits == 16 and append.s_splits == 1 and not append.fuse
 
 
 def test_suffix_splits_only_when_the_batch_leaves_sms_idle():
@@ -128,6 +168,23 @@ def test_kernel_matches_reference_on_gpu(dtype, D, G, shape):
 @pytest.mark.parametrize("B,L_s", [(32, 256), (64, 96), (8, 256)])
 def test_every_layout_matches_reference_on_gpu(layout, dtype, B, L_s):
     check(B, 8, 4, 1, L_s, 4096, 128, dtype, padded=True, seed=B)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", list(TOL))
+def test_cuda_graph_replay_matches_eager(layout, dtype):
+    """Captured in a CUDA graph (how the compiled decode runs it, PDL edges included) and replayed on new inputs
+    copied into the captured buffers: the same output as an eager call."""
+    static = [t.cuda() for t in make_inputs(32, 8, 4, 1, 256, 4096, 128, dtype=dtype, padded=True, seed=3)]
+    relay_attention_triton(*static[:5], suffix_lengths=static[5])  # compile outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = relay_attention_triton(*static[:5], suffix_lengths=static[5])
+    fresh = [t.cuda() for t in make_inputs(32, 8, 4, 1, 256, 4096, 128, dtype=dtype, padded=True, seed=4)]
+    for dst, src in zip(static, fresh):
+        dst.copy_(src)
+    graph.replay()
+    assert torch.equal(captured, relay_attention_triton(*fresh[:5], suffix_lengths=fresh[5]))
 
 
 @pytest.mark.gpu

@@ -89,7 +89,11 @@ PDL = True
 
 def triton_available() -> bool:
     """Triton imports and can run here: a CUDA device, or the CPU interpreter (``TRITON_INTERPRET=1``)."""
-    return triton is not None and (torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1")
+    return triton is not None and (torch.cuda.is_available() or _interpreting())
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET") == "1"
 
 
 def _tile(head_dim: int, tiles=None):
@@ -104,8 +108,14 @@ def _num_sms(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
-def _block_m(rows: int) -> int:
-    return min(MAX_BLOCK_M, max(16, triton.next_power_of_2(rows)))
+@functools.cache
+def _hopper(device_index: int) -> bool:
+    """Hopper or newer: TMA descriptors and programmatic dependent launch."""
+    return torch.cuda.get_device_capability(device_index)[0] >= 9
+
+
+def _block_m(rows: int, cap: int | None = None) -> int:
+    return min(cap or MAX_BLOCK_M, max(16, triton.next_power_of_2(rows)))
 
 
 def plan_splits(P: int, N: int, H_kv: int, block_m: int, block_n: int, num_sms: int, waves: int | None = None,
@@ -372,18 +382,17 @@ class _Plan(NamedTuple):
 def _plan(B: int, N: int, G: int, L_q: int, P: int, L_s: int, H_kv: int, D: int, device: torch.device) -> _Plan:
     block_d, block_n, warps, stages = _tile(D)
     sep = SEPARATE_ROWS[0] <= N <= SEPARATE_ROWS[1]  # layout rule: see SEPARATE_ROWS
-    rows = lambda cap: min(cap, max(16, triton.next_power_of_2(N)))  # noqa: E731
     if sep:
         bm, bn, w, st = PREFIX_TILES[min(max(block_d, 64), 256)]
-        prefix, suffix = (rows(bm), bn, w, st), (_block_m(G * L_q), *_tile(D, SUFFIX_TILES)[1:])
+        prefix, suffix = (_block_m(N, bm), bn, w, st), (_block_m(G * L_q), *_tile(D, SUFFIX_TILES)[1:])
     else:
-        prefix, suffix = (rows(MAX_BLOCK_M), block_n, warps, stages), (_block_m(G * L_q), block_n, warps, stages)
+        prefix, suffix = (_block_m(N), block_n, warps, stages), (_block_m(G * L_q), block_n, warps, stages)
     sms = _num_sms(device.index or 0)
     p_splits, p_per = plan_splits(P, N, H_kv, prefix[0], prefix[1], sms, *(SEPARATE_SPLIT if sep else ()))
     s_splits, s_per = plan_suffix_splits(L_s, B * triton.cdiv(G * L_q, suffix[0]), H_kv, suffix[1], sms)
     fuse = (sep and s_splits == 1 and p_splits <= FUSED_MERGE_SLOTS
             and suffix[0] * triton.next_power_of_2(max(p_splits, 1)) <= FUSED_MERGE_TILE)
-    pdl = PDL and fuse and P > 0 and device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
+    pdl = PDL and fuse and P > 0 and device.type == "cuda" and _hopper(device.index or 0)
     return _Plan(sep, prefix, suffix, p_splits, p_per, s_splits, s_per, fuse, pdl)
 
 
@@ -391,11 +400,10 @@ def _prefix_descriptors(prefix_key: torch.Tensor, prefix_value: torch.Tensor, bl
     """TMA descriptors over ``[H_kv, P, D]`` for the prefix's full tiles, or ``(None, None)`` where TMA cannot run:
     off Hopper+ (the interpreter emulates it), dtypes other than fp16/bf16, a padded head dim, strides or a base
     that are not 16-byte aligned."""
-    interp = os.environ.get("TRITON_INTERPRET") == "1"
     t = prefix_key
     ok = (PREFIX_TMA and TensorDescriptor is not None and t.dtype in (torch.float16, torch.bfloat16)
           and t.shape[-1] == block_d and t.shape[2] > 0
-          and (interp or (t.is_cuda and torch.cuda.get_device_capability(t.device)[0] >= 9)))
+          and (_interpreting() or (t.is_cuda and _hopper(t.device.index or 0))))
     for x in (prefix_key, prefix_value):
         ok = ok and x.stride(3) == 1 and all(x.stride(i) * x.element_size() % 16 == 0 for i in (1, 2)) \
             and x.data_ptr() % 16 == 0
@@ -444,7 +452,7 @@ def relay_attention_triton(query: torch.Tensor, prefix_key: torch.Tensor, prefix
     # the CPU interpreter's tl.dot cannot multiply bf16 (numpy has no bf16): upcast there, only there
     flags = dict(HAS_LENS=suffix_lengths is not None, HAS_END=suffix_end is not None, BLOCK_MP=block_mp,
                  BLOCK_MS=block_ms, BLOCK_D=block_d, IEEE=query.dtype == torch.float32, TMA=kd is not None,
-                 PDL=plan.pdl, DOT_F32=query.dtype == torch.bfloat16 and os.environ.get("TRITON_INTERPRET") == "1")
+                 PDL=plan.pdl, DOT_F32=query.dtype == torch.bfloat16 and _interpreting())
     if not plan.sep:
         _partials_kernel[(p_units + s_units, H_kv)](*args, **flags, BLOCK_N=block_n, KIND=0, FUSE=0,
                                                     num_warps=warps, num_stages=stages)

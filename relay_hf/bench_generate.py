@@ -167,14 +167,17 @@ def run_generate(args) -> None:
     dtype = getattr(torch, args.dtype)
     model = build_model(args.model_shape, device, dtype, max(args.prefix_len) + 256)
     grid = list(itertools.product(args.modes, args.prefix_len, args.batch))
+    # every point is a new static shape for the compiled modes: let dynamo keep them all instead of falling back to
+    # eager after its default recompile limit (8) and timing that
+    torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 4 * len(grid))
+    name = f"generate_{args.model_shape}_{'_'.join(args.modes)}"
     rows = []
     for mode, S, B in (bar := tqdm(grid, desc="generate")):
         bar.set_postfix_str(f"{mode} S={S} B={B}")
         rows.append(generate_case(model, mode, S, B, new_tokens=args.new_tokens, reps=args.reps,
                                   backend=args.compile_backend))
+        write_outputs(rows, args.out, name)  # after every point: a stopped run keeps what it measured
     print_table(rows)
-    name = f"generate_{args.model_shape}_{'_'.join(args.modes)}"
-    write_outputs(rows, args.out, name)
     plot_generate(rows, args.out / f"{name}.png")
 
 

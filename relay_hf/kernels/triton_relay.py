@@ -68,6 +68,10 @@ PARTIAL_HALF = True  # fp16/bf16 inputs: partial outputs in the input dtype (hal
 # 16 fused slots instead of 8: 16384 x 32: 42.5 -> 34.3 (its 16 prefix splits no longer need a merge launch).
 SEPARATE_ROWS = (64, 512)
 SUFFIX_TILES = {64: (32, 4, 3), 128: (32, 4, 3), 256: (32, 8, 2)}
+# The separate prefix launch is split for whole waves of SEPARATE_SPLIT[0] programs per SM: rounding the split count
+# up had S=16384, B=128 at 5 splits x 64 units = 320 programs for 264 slots; 4 splits: 132.8 -> 109.5 us, and
+# 16384 x 64 (L_s 96): 61.3 -> 45.6, 32768 x 32: 66.7 -> 51.1 (session 6). The one-launch layout still rounds up
+# (its grid also holds the suffix units; whole waves there: 16384 x 256: 225.7 -> 230.0).
 SEPARATE_SPLIT = (2, 4)
 FUSED_MERGE_SLOTS = 16
 FUSED_MERGE_TILE = 512
@@ -119,15 +123,17 @@ def _block_m(rows: int, cap: int | None = None) -> int:
 
 
 def plan_splits(P: int, N: int, H_kv: int, block_m: int, block_n: int, num_sms: int, waves: int | None = None,
-                budget: int | None = None) -> tuple[int, int]:
-    """``(splits, tiles_per_split)`` for the prefix: enough programs for ``waves`` (``SPLIT_WAVES``) per SM, few
-    enough that the partials (``splits * N * D`` elements per head) stay within ``1/budget`` (``PARTIAL_BUDGET``) of
-    the prefix (``P * D`` elements per head, K and V)."""
+                budget: int | None = None, whole_waves: bool = False) -> tuple[int, int]:
+    """``(splits, tiles_per_split)`` for the prefix: enough programs for ``waves`` (``SPLIT_WAVES``) per SM (with
+    ``whole_waves``: as many as fit, never a partial wave more), few enough that the partials (``splits * N * D``
+    elements per head) stay within ``1/budget`` (``PARTIAL_BUDGET``) of the prefix (``P * D`` elements per head, K and
+    V)."""
     if P == 0:
         return 0, 1
     waves, budget = waves or SPLIT_WAVES, budget or PARTIAL_BUDGET
     n_tiles = triton.cdiv(P, block_n)
-    want = triton.cdiv(waves * num_sms, H_kv * triton.cdiv(N, block_m))
+    units = H_kv * triton.cdiv(N, block_m)
+    want = max(1, waves * num_sms // units) if whole_waves else triton.cdiv(waves * num_sms, units)
     cap = max(1, P // (budget * N))
     splits = max(1, min(n_tiles, want, cap, MAX_SPLITS))
     per = triton.cdiv(n_tiles, splits)
@@ -388,7 +394,9 @@ def _plan(B: int, N: int, G: int, L_q: int, P: int, L_s: int, H_kv: int, D: int,
     else:
         prefix, suffix = (_block_m(N), block_n, warps, stages), (_block_m(G * L_q), block_n, warps, stages)
     sms = _num_sms(device.index or 0)
-    p_splits, p_per = plan_splits(P, N, H_kv, prefix[0], prefix[1], sms, *(SEPARATE_SPLIT if sep else ()))
+    # the separate layout's prefix launch runs alone: whole waves of it (see SEPARATE_SPLIT)
+    p_splits, p_per = plan_splits(P, N, H_kv, prefix[0], prefix[1], sms, *(SEPARATE_SPLIT if sep else ()),
+                                  whole_waves=sep)
     s_splits, s_per = plan_suffix_splits(L_s, B * triton.cdiv(G * L_q, suffix[0]), H_kv, suffix[1], sms)
     fuse = (sep and s_splits == 1 and p_splits <= FUSED_MERGE_SLOTS
             and suffix[0] * triton.next_power_of_2(max(p_splits, 1)) <= FUSED_MERGE_TILE)

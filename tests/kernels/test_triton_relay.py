@@ -126,6 +126,9 @@ def test_split_plan_fills_the_gpu_and_bounds_partials():
     splits, per = plan_splits(P=4096, N=128, H_kv=8, block_m=64, block_n=64, num_sms=132)
     assert splits * 128 * PARTIAL_BUDGET <= 4096 and splits * per * 64 >= 4096
     assert plan_splits(P=10, N=512, H_kv=8, block_m=64, block_n=64, num_sms=132) == (1, 1)
+    # whole waves: 64 units a split, 2 programs per SM on 132 SMs -> 4 splits (256 programs), not 5 (320)
+    kw = dict(P=16384, N=512, H_kv=8, block_m=64, block_n=64, num_sms=132, waves=2, budget=4)
+    assert plan_splits(**kw, whole_waves=True) == (4, 64) and plan_splits(**kw) == (5, 52)
 
 
 def test_fused_merge_only_for_small_merge_tiles(monkeypatch):

@@ -394,7 +394,7 @@ def _plan(B: int, N: int, G: int, L_q: int, P: int, L_s: int, H_kv: int, D: int,
     else:
         prefix, suffix = (_block_m(N), block_n, warps, stages), (_block_m(G * L_q), block_n, warps, stages)
     sms = _num_sms(device.index or 0)
-    # the separate layout's prefix launch runs alone: whole waves of it (see SEPARATE_SPLIT)
+    # the separate layout's prefix launch holds prefix programs only: whole waves of them (see SEPARATE_SPLIT)
     p_splits, p_per = plan_splits(P, N, H_kv, prefix[0], prefix[1], sms, *(SEPARATE_SPLIT if sep else ()),
                                   whole_waves=sep)
     s_splits, s_per = plan_suffix_splits(L_s, B * triton.cdiv(G * L_q, suffix[0]), H_kv, suffix[1], sms)

@@ -381,8 +381,13 @@ class _Plan(NamedTuple):
     p_per: int  # prefix tiles per split
     s_splits: int
     s_per: int
-    fuse: bool  # the suffix launch merges the prefix slots and writes the output (no merge launch)
+    fuse_slots: int  # > 0: the suffix launch merges the prefix slots in a tile this wide (power of two); 0: no
     pdl: bool  # the fused suffix launch starts while the prefix launch runs (PDL; a prefix, Hopper+)
+
+    @property
+    def fuse(self) -> bool:
+        """The suffix launch merges the prefix slots and writes the output (no merge launch)."""
+        return self.fuse_slots > 0
 
 
 def _plan(B: int, N: int, G: int, L_q: int, P: int, L_s: int, H_kv: int, D: int, device: torch.device) -> _Plan:
@@ -398,10 +403,10 @@ def _plan(B: int, N: int, G: int, L_q: int, P: int, L_s: int, H_kv: int, D: int,
     p_splits, p_per = plan_splits(P, N, H_kv, prefix[0], prefix[1], sms, *(SEPARATE_SPLIT if sep else ()),
                                   whole_waves=sep)
     s_splits, s_per = plan_suffix_splits(L_s, B * triton.cdiv(G * L_q, suffix[0]), H_kv, suffix[1], sms)
-    fuse = (sep and s_splits == 1 and p_splits <= FUSED_MERGE_SLOTS
-            and suffix[0] * triton.next_power_of_2(max(p_splits, 1)) <= FUSED_MERGE_TILE)
+    slot_tile = triton.next_power_of_2(max(p_splits, 1))
+    fuse = (sep and s_splits == 1 and p_splits <= FUSED_MERGE_SLOTS and suffix[0] * slot_tile <= FUSED_MERGE_TILE)
     pdl = PDL and fuse and P > 0 and device.type == "cuda" and _hopper(device.index or 0)
-    return _Plan(sep, prefix, suffix, p_splits, p_per, s_splits, s_per, fuse, pdl)
+    return _Plan(sep, prefix, suffix, p_splits, p_per, s_splits, s_per, slot_tile if fuse else 0, pdl)
 
 
 def _prefix_descriptors(prefix_key: torch.Tensor, prefix_value: torch.Tensor, block_n: int, block_d: int):
@@ -468,8 +473,7 @@ def relay_attention_triton(query: torch.Tensor, prefix_key: torch.Tensor, prefix
         if p_units:
             _partials_kernel[(p_units, H_kv)](*args, **flags, BLOCK_N=block_n, KIND=1, FUSE=0, num_warps=warps,
                                               num_stages=stages)
-        fuse_slots = max(1, triton.next_power_of_2(plan.p_splits)) if plan.fuse else 0
-        _partials_kernel[(s_units, H_kv)](*args, **flags, BLOCK_N=block_ns, KIND=2, FUSE=fuse_slots,
+        _partials_kernel[(s_units, H_kv)](*args, **flags, BLOCK_N=block_ns, KIND=2, FUSE=plan.fuse_slots,
                                           num_warps=warps_s, num_stages=stages_s, launch_pdl=plan.pdl)
     if plan.fuse:
         return out

@@ -1,9 +1,10 @@
 """``python -m relay_hf.bench generate``: end-to-end greedy ``generate`` on a random-init model (no download).
 
 Workload (same as ``shared/anchors/h200_stock_hf_e2e.json``): a system prompt of S tokens + a 64-token user prompt
-per row, B rows, greedy. Per mode: time to first token (TTFT: a 1-token call, prefill included), decode step (a
-``new_tokens`` call minus the 1-token call, over ``new_tokens - 1``: every step counted, no streamer syncing each
-token), generated tok/s, peak memory. Modes:
+per row, B rows, greedy. Per mode: time to first token (TTFT: a 1-token call, prefill included), decode step (the
+median over every step of the timed calls, each step timed between CUDA events; ``step_mean_ms`` is the older
+estimate, a ``new_tokens`` call minus the 1-token call over ``new_tokens - 1``), generated tok/s (B / median step),
+peak memory. Modes:
 
 * ``stock``: plain ``generate`` (DynamicCache, eager).
 * ``prefix_reuse``: the documented transformers recipe: the system prompt prefilled once into a DynamicCache
@@ -61,25 +62,80 @@ def compile_config(backend: str):
     return CompileConfig(fullgraph=True, backend=backend, mode="reduce-overhead" if backend == "inductor" else None)
 
 
-def _timed_generate(model, ids, new_tokens: int, make_kwargs) -> float:
+class _StepClock:
+    """Marks between decode steps, read after the call: CUDA events on the GPU (recording adds no host sync),
+    wall time on the CPU (where every op is synchronous anyway). ``relay_hf``'s loop marks through
+    ``decode.STEP_HOOK``; transformers' loop through a stopping criterion, which it calls after every token."""
+
+    def __init__(self, cuda: bool):
+        self.cuda, self.marks = cuda, []
+
+    def mark(self) -> None:
+        if self.cuda:
+            self.marks.append(torch.cuda.Event(enable_timing=True))
+            self.marks[-1].record()
+        else:
+            self.marks.append(time.perf_counter())
+
+    def steps_s(self) -> list[float]:
+        """Seconds of each decode step: the time between consecutive marks."""
+        if self.cuda:
+            torch.cuda.synchronize()
+            return [a.elapsed_time(b) / 1e3 for a, b in zip(self.marks, self.marks[1:])]
+        return [b - a for a, b in zip(self.marks, self.marks[1:])]
+
+    def criteria(self):
+        from transformers import StoppingCriteria, StoppingCriteriaList
+
+        clock = self
+
+        class MarkEveryToken(StoppingCriteria):
+            def __call__(self, input_ids, scores, **kwargs):
+                clock.mark()
+                return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
+
+        return StoppingCriteriaList([MarkEveryToken()])
+
+
+def _timed_generate(model, ids, new_tokens: int, make_kwargs, clock: _StepClock | None = None) -> float:
     """Seconds of one greedy generate call making exactly ``new_tokens`` tokens; ``make_kwargs()`` runs inside the
-    timed region (the prefix-reuse copy belongs to the call)."""
+    timed region (the prefix-reuse copy belongs to the call). ``clock`` (if given) gets a mark after every token:
+    through relay_hf's loop hook when the model's last call ran that loop, else as a stopping criterion."""
+    from . import decode
+
+    extra = {}
+    if clock is not None:
+        decision = getattr(model, "relay_last_decision", None)
+        if decision is not None and decision.fast_decode:
+            decode.STEP_HOOK = clock.mark
+        else:
+            extra["stopping_criteria"] = clock.criteria()
     start = time.perf_counter()
-    model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens, min_new_tokens=new_tokens,
-                   do_sample=False, **make_kwargs())
-    if ids.is_cuda:
-        torch.cuda.synchronize()
+    try:
+        model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
+                       min_new_tokens=new_tokens, do_sample=False, **extra, **make_kwargs())
+        if ids.is_cuda:
+            torch.cuda.synchronize()
+    finally:
+        decode.STEP_HOOK = None
     return time.perf_counter() - start
 
 
-def _clocked(model, ids, new_tokens: int, make_kwargs, reps: int = 1) -> tuple[float, float]:
-    """(time to first token in s, mean decode step in s): a 1-token call is the first token (prefill included); a
-    ``new_tokens`` call minus it, over ``new_tokens - 1``, is the decode step (medians of ``reps`` alternating pairs).
-    No streamer: a per-token host sync would itself be part of what is measured."""
-    pairs = [(_timed_generate(model, ids, 1, make_kwargs), _timed_generate(model, ids, new_tokens, make_kwargs))
-             for _ in range(reps)]
+def _clocked(model, ids, new_tokens: int, make_kwargs, reps: int = 1) -> tuple[float, float, float]:
+    """(time to first token in s, median decode step in s, mean decode step in s). The first token is a 1-token
+    call (prefill included). The median step is over every step of ``reps`` ``new_tokens`` calls, each step timed
+    on its own (``_StepClock``). The mean step is the older estimate: (a ``new_tokens`` call − a 1-token call) /
+    (``new_tokens`` − 1), medians of ``reps`` alternating pairs; it also carries any difference between the two
+    calls' prefills, which at S = 8192 moves it by tenths of a millisecond a step. No streamer: a per-token host
+    sync would itself be part of what is measured."""
+    pairs, steps = [], []
+    for _ in range(reps):
+        clock = _StepClock(ids.is_cuda)
+        pairs.append((_timed_generate(model, ids, 1, make_kwargs),
+                      _timed_generate(model, ids, new_tokens, make_kwargs, clock)))
+        steps += clock.steps_s()
     first, total = (statistics.median(p[i] for p in pairs) for i in (0, 1))
-    return first, (total - first) / (new_tokens - 1)
+    return first, statistics.median(steps) if steps else float("nan"), (total - first) / (new_tokens - 1)
 
 
 def _mode_kwargs(model, mode: str, system: torch.Tensor, B: int, backend: str):
@@ -130,12 +186,13 @@ def generate_case(model, mode: str, S: int, B: int, user: int = 64, new_tokens: 
             start = time.perf_counter()
             _clocked(model, ids, new_tokens, make_kwargs)  # warm-up: compile (both cache sizes), capture, allocator
             warmup = time.perf_counter() - start
-            ttft, step = _clocked(model, ids, new_tokens, make_kwargs, reps)
+            ttft, step, step_mean = _clocked(model, ids, new_tokens, make_kwargs, reps)
     except torch.OutOfMemoryError:
-        return dict(row, ttft_s=float("nan"), step_ms=float("nan"), tok_per_s=float("nan"), peak_GiB=float("inf"),
-                    warmup_s=float("nan"), relay_used=False, relay_loop=False)
+        nan = float("nan")
+        return dict(row, ttft_s=nan, step_ms=nan, step_mean_ms=nan, tok_per_s=nan, peak_GiB=float("inf"), warmup_s=nan,
+                    relay_used=False, relay_loop=False)
     decision = getattr(model, "relay_last_decision", None)
-    return dict(row, ttft_s=ttft, step_ms=step * 1e3, tok_per_s=B / step,
+    return dict(row, ttft_s=ttft, step_ms=step * 1e3, step_mean_ms=step_mean * 1e3, tok_per_s=B / step,
                 peak_GiB=torch.cuda.max_memory_allocated() / 2**30 if cuda else float("nan"), warmup_s=warmup,
                 relay_used=bool(decision and decision.used), relay_loop=bool(decision and decision.fast_decode))
 

@@ -27,3 +27,33 @@ def test_generate_cli_writes_every_point(tmp_path):
     assert all(math.isfinite(float(r["step_ms"])) and float(r["step_ms"]) > 0 for r in rows)
     assert [r["relay_used"] for r in rows] == ["False", "True"]
     assert (tmp_path / "generate_smollm2-135m_stock_relay.png").stat().st_size > 0
+
+
+def test_generate_step_clock_marks_every_token_on_both_loops():
+    """The per-step decode time is the median of times between marks: one mark per generated token, from
+    transformers' loop (a stopping criterion) and from relay_hf's loop (``decode.STEP_HOOK``) alike, and the stopping
+    criterion must not push a relay call off relay_hf's loop."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    import relay_hf
+    from relay_hf import bench_generate, decode
+
+    config = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                         num_key_value_heads=2, vocab_size=100, pad_token_id=0, eos_token_id=None)
+    model = LlamaForCausalLM(config).eval()
+    model.generation_config.pad_token_id = 0
+    ids = torch.cat([torch.randint(3, 100, (1, 20)).expand(3, -1), torch.randint(3, 100, (3, 5))], 1)
+    cases = (False, {}, False), (True, {}, False), (True, {"cache_implementation": "static"}, True)
+    for patched, kwargs, fast in cases:
+        relay_hf.unpatch(model)
+        if patched:
+            relay_hf.patch(model, min_prefix_length=1)
+        with torch.no_grad():
+            make_kwargs = dict(kwargs).copy
+            bench_generate._timed_generate(model, ids, 1, make_kwargs)  # the call before picks the hook
+            clock = bench_generate._StepClock(cuda=False)
+            bench_generate._timed_generate(model, ids, 6, make_kwargs, clock)
+        assert bool(getattr(model, "relay_last_decision", None) and model.relay_last_decision.fast_decode) is fast
+        assert len(clock.marks) == 6 and all(t > 0 for t in clock.steps_s())
+        assert decode.STEP_HOOK is None

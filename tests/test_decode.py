@@ -141,3 +141,19 @@ def test_stop_length_is_where_the_last_row_hits_eos():
     assert _stop_length(torch.tensor([[1, 7, 0, 0], [9, 0, 0, 0]]), eos) == 2
     assert _stop_length(torch.tensor([[1, 2, 3, 4], [9, 0, 0, 0]]), eos) == 4  # row 0 never stops
     assert _stop_length(torch.tensor([[7], [9]]), eos) == 1
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32, None])
+def test_capture_blas_preference_is_scoped(dtype):
+    """The decode graph's cuBLASLt preference holds only inside the capture, only for 16-bit models (fp32 steps keep
+    the GEMMs the eager path uses), and a build without cuBLASLt (the CPU one) just keeps what it has."""
+    from relay_hf.decode import CAPTURE_BLAS, _capture_blas
+
+    before = torch.backends.cuda.preferred_blas_library()
+    with _capture_blas(dtype):
+        inside = torch.backends.cuda.preferred_blas_library()
+    assert torch.backends.cuda.preferred_blas_library() == before
+    if dtype in (torch.bfloat16, torch.float16) and torch.cuda.is_available() and not torch.version.hip:
+        assert inside.name.lower() == CAPTURE_BLAS
+    else:
+        assert inside == before

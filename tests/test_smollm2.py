@@ -15,6 +15,27 @@ QUESTIONS = [
     "How often should I replace the water filter?",
     "Is the warranty longer if I register the machine, and how many days do I have to register it after buying?",
 ]
+# 18 more rows for the bf16 agreement rate on the GPU: 24 rows x 64 tokens, so that one token is 0.07 %, not 0.26 %
+MORE_QUESTIONS = [
+    "How much does the machine weigh?",
+    "What grind setting should I start with for a double shot?",
+    "How hot does the steam wand get, and how long should I steam milk for a latte?",
+    "The ring light is orange. What does that mean?",
+    "How big is the water tank?",
+    "Can I use pre-ground coffee in the Aurora 3?",
+    "How many grams of beans go into a double shot?",
+    "What voltage does the machine need in the US?",
+    "My espresso tastes sour. What should I try?",
+    "How do I backflush the group head, and how often?",
+    "Where can I buy a replacement portafilter and how much does it cost?",
+    "Does the warranty cover a cracked water tank?",
+    "How do I clean the steam wand after use?",
+    "The pump is very loud and no water comes out. What now?",
+    "What size is the portafilter?",
+    "How many grind settings does the grinder have?",
+    "Can I leave the machine on all day?",
+    "Who do I contact if my question is not in the manual?",
+]
 
 
 def render(tokenizer, system_prompt, question):
@@ -76,8 +97,8 @@ def check_parity(model, tokenizer, system_prompt):
     assert cache.prefix_nbytes() == cfg.num_hidden_layers * per_layer  # one copy, not one per row
 
 
-def _chat_batch(tokenizer, system_prompt, device):
-    texts = [render(tokenizer, system_prompt, q) for q in QUESTIONS]
+def _chat_batch(tokenizer, system_prompt, device, questions=QUESTIONS):
+    texts = [render(tokenizer, system_prompt, q) for q in questions]
     return tokenizer(texts, return_tensors="pt", padding=True).to(device)
 
 
@@ -137,7 +158,8 @@ def _forced_choices(model, batch, forced: torch.Tensor, **kwargs) -> torch.Tenso
     return torch.stack(force.choices, 1).to(forced.device)
 
 
-def bf16_agreement(model, tokenizer, system_prompt, device, new_tokens: int, **relay_kwargs) -> dict:
+def bf16_agreement(model, tokenizer, system_prompt, device, new_tokens: int, questions=QUESTIONS,
+                   **relay_kwargs) -> dict:
     """Fractions of greedy tokens equal to stock's batched run, bf16.
 
     * ``relay_free``: relay's own greedy run vs stock's, position by position: after a first fork every later position
@@ -147,11 +169,11 @@ def bf16_agreement(model, tokenizer, system_prompt, device, new_tokens: int, **r
     * ``stock_self_forced``: the same for stock run row by row (another batch composition, so other GEMM shapes and
       roundings): the bf16 noise floor of stock itself.
     """
-    batch = _chat_batch(tokenizer, system_prompt, device)
+    batch = _chat_batch(tokenizer, system_prompt, device, questions)
     T = batch["input_ids"].shape[1]
     stock = model.generate(**batch, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False)[:, T:]
     per_row = []
-    for row, question in enumerate(QUESTIONS):
+    for row, question in enumerate(questions):
         enc = tokenizer(render(tokenizer, system_prompt, question), return_tensors="pt").to(device)
         per_row.append(_forced_choices(model, enc, stock[row:row + 1]))
     relay_hf.patch(model)
@@ -182,13 +204,14 @@ def test_bf16_relay_agrees_with_stock_as_well_as_stock_agrees_with_itself(smollm
 
 @pytest.mark.gpu
 def test_compiled_relay_agrees_with_stock_in_bf16_on_gpu(smollm2, system_prompt, relay_on_small_batches):
-    """The same on the GPU path (Triton kernel, compiled decode). Session 2 measured only free-running agreement
-    there (0.656, docs/performance.md); this calibrated form has not run on a GPU yet."""
+    """The same on the GPU path (Triton kernel, compiled decode), over 24 rows (1,536 forced tokens; sessions 3-5
+    measured the first 6 rows, 384 tokens, where one token moved the rate by 0.26 %)."""
     import copy
 
     model, tokenizer = smollm2
     model = copy.deepcopy(model).to("cuda", torch.bfloat16)
     model.__dict__.pop("_compiled_call", None)  # a deepcopy would keep the original model's compiled forward
-    rates = bf16_agreement(model, tokenizer, system_prompt, "cuda", 64, cache_implementation="static")
-    print(f"bf16 GPU agreement with stock's batched run: {rates}")
+    rates = bf16_agreement(model, tokenizer, system_prompt, "cuda", 64, QUESTIONS + MORE_QUESTIONS,
+                           cache_implementation="static")
+    print(f"bf16 GPU agreement with stock's batched run, {len(QUESTIONS + MORE_QUESTIONS)} rows x 64 tokens: {rates}")
     assert rates["relay_forced"] >= rates["stock_self_forced"] - BF16_NOISE

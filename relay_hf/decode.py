@@ -181,13 +181,13 @@ def _capture_blas(dtype: torch.dtype | None):
     before = pick()
     try:
         pick(CAPTURE_BLAS)
-    except RuntimeError:  # a build without it
-        yield
-        return
+    except RuntimeError:  # a build without it: nothing changed, nothing to restore
+        before = None
     try:
         yield
     finally:
-        pick(before)
+        if before is not None:
+            pick(before)
 
 
 def _stepper(model, cache, rows: int, eos, pad, compile_config) -> _Stepper:

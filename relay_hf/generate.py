@@ -177,8 +177,9 @@ def _plan(model, call: dict) -> dict:
         _check_user_cache(model, user_cache, ids, n_pad)
         P = user_cache.prefix_length
     else:
-        P = common_prefix_length(ids, n_pad) if rows > 1 else 0
-        why = relay_pays(rows, P, model.device, state.min_prefix_length)
+        captured = static and _compile_config(model, gen) is not None and fast_reason(model, gen, call, T) is None
+        P = common_prefix_length(ids, n_pad) if rows > 1 or captured else 0
+        why = relay_pays(rows, P, model.device, state.min_prefix_length, captured_loop=captured)
         if why:
             raise _Stock(why)
     window = _sliding_window(model.config)

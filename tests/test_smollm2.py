@@ -97,6 +97,30 @@ def check_parity(model, tokenizer, system_prompt):
     assert cache.prefix_nbytes() == cfg.num_hidden_layers * per_layer  # one copy, not one per row
 
 
+@pytest.mark.gpu
+def test_one_row_with_static_cache_runs_relay_loop_and_equals_stock_on_gpu(smollm2, system_prompt):
+    """One row asking for a static cache runs relay_hf's captured loop (its prompt but the last token as the
+    "prefix"; relay_hf.dispatch), fp32 token-identical to stock; without a static cache one row stays stock."""
+    model, tokenizer = smollm2
+    enc = tokenizer(render(tokenizer, system_prompt, QUESTIONS[3]), return_tensors="pt").to("cuda")
+    model.cuda()
+    try:
+        stock = model.generate(**enc, max_new_tokens=32, do_sample=False)
+        relay_hf.patch(model)
+        try:
+            looped = model.generate(**enc, max_new_tokens=32, do_sample=False, cache_implementation="static")
+            one_row = model.relay_last_decision
+            plain = model.generate(**enc, max_new_tokens=32, do_sample=False)
+            assert not model.relay_last_decision.used and "single row" in model.relay_last_decision.reason
+        finally:
+            relay_hf.unpatch(model)
+    finally:
+        model.cpu()
+    assert one_row.used and one_row.fast_decode and one_row.rows == 1
+    assert one_row.prefix_length == enc["input_ids"].shape[1] - 1
+    assert torch.equal(looped, stock) and torch.equal(plain, stock)
+
+
 def _chat_batch(tokenizer, system_prompt, device, questions=QUESTIONS):
     texts = [render(tokenizer, system_prompt, q) for q in questions]
     return tokenizer(texts, return_tensors="pt", padding=True).to(device)

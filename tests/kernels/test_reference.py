@@ -26,8 +26,17 @@ def make_inputs(B, H_kv, G, L_q, L_s, P, D, dtype=torch.float32, padded=False, s
 GRID = list(itertools.product([0, 1, 37, 300], [1, 5], [False, True], [1, 3, 4, 8]))
 
 
+@pytest.fixture(params=[True, False], ids=["fused prefix", "written-out prefix"])
+def fused(request, monkeypatch):
+    """Both fp32 CPU prefix paths: torch's fused flash kernel and the written-out softmax (``CPU_FUSED_PREFIX``)."""
+    if request.param and not reference.CPU_FUSED_PREFIX:
+        pytest.skip("this torch has no fused CPU flash-attention op")
+    monkeypatch.setattr(reference, "CPU_FUSED_PREFIX", request.param)
+    return request.param
+
+
 @pytest.mark.parametrize("P,L_q,padded,G", GRID)
-def test_relay_matches_float64_dense(P, L_q, padded, G):
+def test_relay_matches_float64_dense(P, L_q, padded, G, fused):
     q, pk, pv, sk, sv, lengths = make_inputs(4, 2, G, L_q, 9, P, 32, padded=padded, seed=P * 7 + G)
     out = relay_attention_torch(q, pk, pv, sk, sv, suffix_lengths=lengths)
     ref = dense_reference(q, pk, pv, sk, sv, suffix_lengths=lengths)
@@ -44,11 +53,25 @@ def test_empty_rows_without_prefix_are_zero_not_nan():
 
 
 def test_prefix_chunking_gives_the_same_answer(monkeypatch):
+    monkeypatch.setattr(reference, "CPU_FUSED_PREFIX", False)  # chunking is the written-out path's
     q, pk, pv, sk, sv, lengths = make_inputs(3, 2, 4, 5, 8, 300, 32, padded=True, seed=3)
     whole = relay_attention_torch(q, pk, pv, sk, sv, suffix_lengths=lengths)
     monkeypatch.setattr(reference, "_MAX_SCORE_ELEMENTS", 2 * 300 * 7)  # 7 query rows per chunk
     chunked = relay_attention_torch(q, pk, pv, sk, sv, suffix_lengths=lengths)
     assert rel_err(chunked, whole) < 1e-6
+
+
+def test_fused_prefix_lse_is_natural_log_and_matches_the_written_out_pass(monkeypatch):
+    """The fused CPU op's LSE feeds the merge: it must be the natural-log LSE of the scaled scores, like ours."""
+    if not reference.CPU_FUSED_PREFIX:
+        pytest.skip("this torch has no fused CPU flash-attention op")
+    q, pk, pv, *_ = make_inputs(3, 2, 4, 5, 8, 300, 32, seed=4)
+    out_f, lse_f = reference.prefix_attention_torch(q, pk, pv, 0.3)
+    monkeypatch.setattr(reference, "CPU_FUSED_PREFIX", False)
+    out_w, lse_w = reference.prefix_attention_torch(q, pk, pv, 0.3)
+    scores = torch.einsum("bhld,hpd->bhlp", q.double(), pk[0].double().repeat_interleave(4, 0)) * 0.3
+    assert torch.allclose(lse_f.double(), torch.logsumexp(scores, -1), atol=1e-5)
+    assert torch.allclose(lse_f, lse_w, atol=1e-5) and rel_err(out_f, out_w.double()) < 1e-5
 
 
 def test_merge_is_the_sigmoid_formula():

@@ -131,12 +131,17 @@ def suffix_attention_torch(query: torch.Tensor, suffix_key: torch.Tensor, suffix
             of the first ``end`` positions.
         suffix_lengths: ``[B]`` integer, or ``None`` when every position before ``end`` is valid.
         suffix_end: one-element integer tensor ``end`` (a static buffer filled up to there), or ``None``: ``L_s``.
+            Eager calls on CPU cut the buffer at ``end``; traced ones mask the tail (no data-dependent shape).
 
     Returns:
         ``out_s [B, H_q, L_q, D]`` (accumulation dtype; zero where a query sees no key) and ``lse_s [B, H_q, L_q]``
         (``-inf`` there).
     """
     B, H_q, L_q, D = query.shape
+    if suffix_end is not None and suffix_end.device.type == "cpu" and not torch.compiler.is_compiling():
+        # eager CPU: reading ``end`` costs no device sync, and the filled part is all a static buffer can show
+        end = int(suffix_end)
+        suffix_key, suffix_value, suffix_end = suffix_key[:, :, :end], suffix_value[:, :, :end], None
     H_kv, L_s = suffix_key.shape[1], suffix_key.shape[2]
     G = H_q // H_kv
     acc = _acc_dtype(query.dtype)

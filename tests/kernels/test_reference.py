@@ -111,3 +111,15 @@ def test_static_buffer_ignores_positions_past_suffix_end(L_q, P):
     ref = dense_reference(q, pk, pv, sk, sv, suffix_lengths=lengths, suffix_end=end)
     assert torch.isfinite(out).all()
     assert rel_err(out, ref) < 1e-5
+
+
+def test_static_buffer_traced_and_eager_agree(monkeypatch):
+    """Eager CPU calls cut a static buffer at ``suffix_end``; the traceable path (as under ``torch.compile``) masks
+    the tail instead. Same answer, stale tail included."""
+    q, pk, pv, sk, sv, lengths = make_inputs(4, 2, 3, 2, 12, 9, 16, padded=True, seed=11)
+    end, lengths = torch.tensor([7]), lengths.clamp(max=7)
+    sk[:, :, 7:], sv[:, :, 7:] = 1e4, 1e4
+    eager = relay_attention_torch(q, pk, pv, sk, sv, suffix_lengths=lengths, suffix_end=end)
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+    traced = relay_attention_torch(q, pk, pv, sk, sv, suffix_lengths=lengths, suffix_end=end)
+    assert torch.isfinite(traced).all() and rel_err(eager, traced) < 1e-6

@@ -20,7 +20,8 @@ all partials plus a tiny merge launch, or a prefix launch then a suffix launch t
    only, own tiles); with one suffix split and few prefix slots each suffix unit merges its rows' prefix slots the
    way ``_merge_kernel`` does and writes the output, so there is no merge launch. On Hopper+ that fused suffix launch
    is a programmatic dependent launch (``PDL``): it starts while the prefix launch runs and waits only before the
-   merge. The prefix's full K/V tiles load through TMA descriptors where possible (``PREFIX_TMA``).
+   merge; where more of its programs would be queued than fit beside the prefix programs, each streams two batch rows
+   (``SUFFIX_PAIR_ABOVE``). The prefix's full K/V tiles load through TMA descriptors where possible (``PREFIX_TMA``).
 
 Tensor contract (see ``relay_hf.relay_attention``): ``query [B, H_q, L_q, D]``, ``prefix_* [1, H_kv, P, D]``,
 ``suffix_* [B, H_kv, L_s, D]``, ``suffix_lengths [B]`` int or None, ``suffix_end`` one-element int tensor or None.
@@ -89,6 +90,16 @@ PREFIX_TMA = True
 # the merge launch (1024 x 8: 8.2 -> 8.7, 4096 x 128: 63.5 -> 65.9: waiting programs hold SM slots), so it is used
 # for the fused suffix launch only.
 PDL = True
+# Paired suffix units: where the prefix launch runs at most one program per SM (room beside it), the prefix has at
+# least SUFFIX_PAIR_MIN_PREFIX tokens and the fused suffix launch would have more than SUFFIX_PAIR_ABOVE programs per
+# SM (about what fits beside one prefix program), each suffix program streams two batch rows before its PDL wait.
+# Unpaired, the suffix programs that fit finish streaming early and then hold their slots in that wait while the rest
+# cannot start until prefix programs leave (S=4096, B=64: 404 of 512 resident, the last 108 start at 16.7 us and end
+# at 22.6 us; session 10's in-kernel timeline). Measured (H200, warm us, session 10): 4096 x 64 (L_s 96) 22.8 ->
+# 20.4-20.7, (L_s 88) 22.4 -> 20.5-21.0, 4096 x 128 59.7 -> 55.1-55.2, 2048 x 64 unchanged, 1024 x 64 17.1 -> 17.4
+# (hence the prefix bound); end to end S=4096, B=64 6.178-6.185 -> 6.097-6.104 ms a step. None: never.
+SUFFIX_PAIR_ABOVE = 3
+SUFFIX_PAIR_MIN_PREFIX = 2048
 
 
 def triton_available() -> bool:
@@ -285,22 +296,13 @@ if triton is not None:
         return acc / tl.where(l == 0.0, 1.0, l)[:, None]
 
     @triton.jit
-    def _suffix_unit(Q, SK, SV, LENS, END, PO, PLSE, O, w, h, H_kv, sq_b, sq_h, sq_l, sq_d,
-                     ssk_b, ssk_h, ssk_s, ssk_d, ssv_b, ssv_h, ssv_s, ssv_d, so_b, so_h, so_l, so_d,
-                     N, L_q, L_s, G, D, scale_log2, prefix_splits, suffix_blocks, suffix_splits, suffix_per,
-                     HAS_LENS: tl.constexpr, HAS_END: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                     BLOCK_D: tl.constexpr, IEEE: tl.constexpr, DOT_F32: tl.constexpr, FUSE: tl.constexpr,
-                     PDL: tl.constexpr):
-        """Row b's queries r = g * L_q + i against one split of its own suffix -> slot prefix_splits + split. ``FUSE``
-        > 0 (one suffix split, prefix partials written by an earlier launch, ``FUSE >= prefix_splits`` a power of
-        two): merge with them and write ``O`` instead."""
-        rb, split, b = w % suffix_blocks, (w // suffix_blocks) % suffix_splits, w // (suffix_blocks * suffix_splits)
-        r = rb * BLOCK_M + tl.arange(0, BLOCK_M)
-        r_ok = r < G * L_q
-        g, i = r // L_q, r % L_q
-        d = tl.arange(0, BLOCK_D)
-        d_ok = d < D
-        q = tl.load(Q + b * sq_b + (h * G + g)[:, None] * sq_h + i[:, None] * sq_l + d[None, :] * sq_d,
+    def _suffix_state(Q, SK, SV, LENS, END, b, h, qh, i, r_ok, d, d_ok, sq_b, sq_h, sq_l, sq_d,
+                      ssk_b, ssk_h, ssk_s, ssk_d, ssv_b, ssv_h, ssv_s, ssv_d, L_q, L_s, scale_log2, split, suffix_per,
+                      HAS_LENS: tl.constexpr, HAS_END: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                      BLOCK_D: tl.constexpr, IEEE: tl.constexpr, DOT_F32: tl.constexpr):
+        """The running ``(m, l, acc)`` of row b's queries (query heads ``qh``, positions ``i``) over one split of its
+        own left-padded suffix in KV head ``h``."""
+        q = tl.load(Q + b * sq_b + qh[:, None] * sq_h + i[:, None] * sq_l + d[None, :] * sq_d,
                     mask=r_ok[:, None] & d_ok[None, :], other=0.0)
         end = L_s
         if HAS_END:  # a static buffer: only the first `end` positions are filled
@@ -312,10 +314,40 @@ if triton is not None:
         hi = tl.minimum(lo + suffix_per * BLOCK_N, end)
         lo = tl.maximum(lo, (first // BLOCK_N) * BLOCK_N)  # skip whole tiles of padding
         m, l, acc = _empty(BLOCK_M, BLOCK_D)
-        m, l, acc = _attend(m, l, acc, q, SK + b * ssk_b + h * ssk_h, SV + b * ssv_b + h * ssv_h, ssk_s, ssk_d,
-                            ssv_s, ssv_d, lo, hi, first, end - L_q + i, d, d_ok, scale_log2,
-                            BLOCK_N, True, True, IEEE, DOT_F32)
+        return _attend(m, l, acc, q, SK + b * ssk_b + h * ssk_h, SV + b * ssv_b + h * ssv_h, ssk_s, ssk_d,
+                       ssv_s, ssv_d, lo, hi, first, end - L_q + i, d, d_ok, scale_log2,
+                       BLOCK_N, True, True, IEEE, DOT_F32)
+
+    @triton.jit
+    def _suffix_unit(Q, SK, SV, LENS, END, PO, PLSE, O, w, h, H_kv, sq_b, sq_h, sq_l, sq_d,
+                     ssk_b, ssk_h, ssk_s, ssk_d, ssv_b, ssv_h, ssv_s, ssv_d, so_b, so_h, so_l, so_d,
+                     N, L_q, L_s, G, D, scale_log2, prefix_splits, suffix_blocks, suffix_splits, suffix_per,
+                     HAS_LENS: tl.constexpr, HAS_END: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                     BLOCK_D: tl.constexpr, IEEE: tl.constexpr, DOT_F32: tl.constexpr, FUSE: tl.constexpr,
+                     PDL: tl.constexpr, PAIR: tl.constexpr = False):
+        """Row b's queries r = g * L_q + i against one split of its own suffix -> slot prefix_splits + split. ``FUSE``
+        > 0 (one suffix split, prefix partials written by an earlier launch, ``FUSE >= prefix_splits`` a power of
+        two): merge with them and write ``O`` instead. ``PAIR`` (with ``FUSE``, one suffix block and split): unit
+        ``w`` is rows ``2w`` and ``2w + 1``, both streamed before the wait (see ``SUFFIX_PAIR_ABOVE``)."""
+        rb, split, b = w % suffix_blocks, (w // suffix_blocks) % suffix_splits, w // (suffix_blocks * suffix_splits)
+        if PAIR:
+            b = 2 * w
+        r = rb * BLOCK_M + tl.arange(0, BLOCK_M)
+        r_ok = r < G * L_q
+        qh, i = h * G + r // L_q, r % L_q
+        d = tl.arange(0, BLOCK_D)
+        d_ok = d < D
+        m, l, acc = _suffix_state(Q, SK, SV, LENS, END, b, h, qh, i, r_ok, d, d_ok, sq_b, sq_h, sq_l, sq_d, ssk_b,
+                                  ssk_h, ssk_s, ssk_d, ssv_b, ssv_h, ssv_s, ssv_d, L_q, L_s, scale_log2, split,
+                                  suffix_per, HAS_LENS, HAS_END, BLOCK_M, BLOCK_N, BLOCK_D, IEEE, DOT_F32)
         n = b * G * L_q + r
+        if PAIR:  # an odd batch's last pair streams row B-1 twice and stores it once
+            b1 = tl.minimum(b + 1, N // (G * L_q) - 1)
+            ok1 = r_ok & (r * 0 + b + 1 < N // (G * L_q))  # a full tensor: the interpreter ands a 0-d bool as int
+            m1, l1, acc1 = _suffix_state(Q, SK, SV, LENS, END, b1, h, qh, i, r_ok, d, d_ok, sq_b, sq_h, sq_l, sq_d,
+                                         ssk_b, ssk_h, ssk_s, ssk_d, ssv_b, ssv_h, ssv_s, ssv_d, L_q, L_s, scale_log2,
+                                         split, suffix_per, HAS_LENS, HAS_END, BLOCK_M, BLOCK_N, BLOCK_D, IEEE,
+                                         DOT_F32)
         if FUSE:
             # PDL: this launch started before the prefix launch finished; every program waits for it here, which
             # also makes whatever follows this launch in the stream follow the prefix launch
@@ -323,6 +355,10 @@ if triton is not None:
                 tl.extra.cuda.gdc_wait()
             out = _merge_slots(PO, PLSE, m, l, acc, h, H_kv, N, n, r_ok, d, d_ok, D, prefix_splits, FUSE)
             _store_out(O, so_b, so_h, so_l, so_d, n, r_ok, h, G, L_q, d, d_ok, out)
+            if PAIR:
+                out = _merge_slots(PO, PLSE, m1, l1, acc1, h, H_kv, N, n + G * L_q, ok1, d, d_ok, D, prefix_splits,
+                                   FUSE)
+                _store_out(O, so_b, so_h, so_l, so_d, n + G * L_q, ok1, h, G, L_q, d, d_ok, out)
         else:
             _store_partial(PO, PLSE, prefix_splits + split, h, H_kv, N, n, r_ok, m, l, acc, d, d_ok, D)
 
@@ -335,7 +371,7 @@ if triton is not None:
                          HAS_LENS: tl.constexpr, HAS_END: tl.constexpr,
                          BLOCK_MP: tl.constexpr, BLOCK_MS: tl.constexpr, BLOCK_N: tl.constexpr,
                          BLOCK_D: tl.constexpr, IEEE: tl.constexpr, DOT_F32: tl.constexpr, KIND: tl.constexpr,
-                         FUSE: tl.constexpr, TMA: tl.constexpr, PDL: tl.constexpr):
+                         FUSE: tl.constexpr, TMA: tl.constexpr, PDL: tl.constexpr, PAIR: tl.constexpr = False):
         """``KIND`` 0: prefix and suffix units in one grid; 1: prefix units only; 2: suffix units only (a launch of
         one kind compiles only that kind, so its tiles, shared memory and registers are its own). ``FUSE`` (KIND 2
         after a KIND 1 launch, one suffix split): each suffix unit merges its rows and writes ``O``."""
@@ -355,7 +391,7 @@ if triton is not None:
                          sq_b, sq_h, sq_l, sq_d, ssk_b, ssk_h, ssk_s, ssk_d, ssv_b, ssv_h, ssv_s, ssv_d,
                          so_b, so_h, so_l, so_d, N, L_q, L_s, G, D, scale_log2, prefix_splits, suffix_blocks,
                          suffix_splits, suffix_per, HAS_LENS, HAS_END, BLOCK_MS, BLOCK_N, BLOCK_D, IEEE, DOT_F32,
-                         FUSE, PDL)
+                         FUSE, PDL, PAIR)
 
     @triton.jit
     def _merge_kernel(PO, PLSE, O, so_b, so_h, so_l, so_d, N, L_q, G, D, slots,
@@ -383,6 +419,7 @@ class _Plan(NamedTuple):
     s_per: int
     fuse_slots: int  # > 0: the suffix launch merges the prefix slots in a tile this wide (power of two); 0: no
     pdl: bool  # the fused suffix launch starts while the prefix launch runs (PDL; a prefix, Hopper+)
+    pair: bool = False  # each fused suffix program streams two batch rows (see SUFFIX_PAIR_ABOVE)
 
     @property
     def fuse(self) -> bool:
@@ -406,7 +443,11 @@ def _plan(B: int, N: int, G: int, L_q: int, P: int, L_s: int, H_kv: int, D: int,
     slot_tile = triton.next_power_of_2(max(p_splits, 1))
     fuse = (sep and s_splits == 1 and p_splits <= FUSED_MERGE_SLOTS and suffix[0] * slot_tile <= FUSED_MERGE_TILE)
     pdl = PDL and fuse and P > 0 and device.type == "cuda" and _hopper(device.index or 0)
-    return _Plan(sep, prefix, suffix, p_splits, p_per, s_splits, s_per, slot_tile if fuse else 0, pdl)
+    p_programs = triton.cdiv(N, prefix[0]) * p_splits * H_kv
+    s_programs = B * triton.cdiv(G * L_q, suffix[0]) * s_splits * H_kv
+    pair = (SUFFIX_PAIR_ABOVE is not None and fuse and triton.cdiv(G * L_q, suffix[0]) == 1 and p_programs <= sms
+            and P >= SUFFIX_PAIR_MIN_PREFIX and s_programs > SUFFIX_PAIR_ABOVE * sms)
+    return _Plan(sep, prefix, suffix, p_splits, p_per, s_splits, s_per, slot_tile if fuse else 0, pdl, pair)
 
 
 def _prefix_descriptors(prefix_key: torch.Tensor, prefix_value: torch.Tensor, block_n: int, block_d: int):
@@ -457,7 +498,7 @@ def relay_attention_triton(query: torch.Tensor, prefix_key: torch.Tensor, prefix
     end = suffix_end if suffix_end is not None else plse
     kd, vd = _prefix_descriptors(prefix_key, prefix_value, block_n, block_d)
     p_blocks, s_blocks = triton.cdiv(N, block_mp), triton.cdiv(G * L_q, block_ms)
-    p_units, s_units = p_blocks * plan.p_splits, B * s_blocks * plan.s_splits
+    p_units, s_units = p_blocks * plan.p_splits, (triton.cdiv(B, 2) if plan.pair else B) * s_blocks * plan.s_splits
     args = (query, prefix_key, prefix_value, kd, vd, suffix_key, suffix_value, lens, end, po, plse, out,
             *query.stride(), *prefix_key.stride()[1:], *prefix_value.stride()[1:],
             *suffix_key.stride(), *suffix_value.stride(), *out.stride(), N, P, L_q, L_s, G, D, scale * LOG2E,
@@ -474,7 +515,8 @@ def relay_attention_triton(query: torch.Tensor, prefix_key: torch.Tensor, prefix
             _partials_kernel[(p_units, H_kv)](*args, **flags, BLOCK_N=block_n, KIND=1, FUSE=0, num_warps=warps,
                                               num_stages=stages)
         _partials_kernel[(s_units, H_kv)](*args, **flags, BLOCK_N=block_ns, KIND=2, FUSE=plan.fuse_slots,
-                                          num_warps=warps_s, num_stages=stages_s, launch_pdl=plan.pdl)
+                                          num_warps=warps_s, num_stages=stages_s, launch_pdl=plan.pdl,
+                                          PAIR=plan.pair)
     if plan.fuse:
         return out
     tile, merge_warps = MERGE_TILE

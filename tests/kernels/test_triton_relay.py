@@ -70,7 +70,9 @@ LAYOUTS = {"one_launch": dict(SEPARATE_ROWS=(0, -1)),
            "separate_fused_merge": dict(SEPARATE_ROWS=(1, 1 << 30), FUSED_MERGE_SLOTS=32, FUSED_MERGE_TILE=1 << 30),
            "separate_merge_launch": dict(SEPARATE_ROWS=(1, 1 << 30), FUSED_MERGE_SLOTS=0),
            "fp32_partials": dict(PARTIAL_HALF=False),
-           "pointer_loads_no_pdl": dict(SEPARATE_ROWS=(1, 1 << 30), PREFIX_TMA=False, PDL=False)}
+           "pointer_loads_no_pdl": dict(SEPARATE_ROWS=(1, 1 << 30), PREFIX_TMA=False, PDL=False),
+           "paired_suffix": dict(SEPARATE_ROWS=(1, 1 << 30), FUSED_MERGE_SLOTS=32, FUSED_MERGE_TILE=1 << 30,
+                                 SUFFIX_PAIR_ABOVE=0, SUFFIX_PAIR_MIN_PREFIX=0)}
 
 
 @pytest.fixture(params=list(LAYOUTS))
@@ -235,3 +237,36 @@ def test_captured_graph_follows_a_growing_suffix_end():
         graph.replay()
         ref = dense_reference(q, pk, pv, sk, sv, suffix_lengths=lens, suffix_end=end)
         assert rel_err(captured, ref) < TOL[torch.bfloat16]
+
+
+@pytest.mark.parametrize("B,dtype,G,L_q,P,end", [(3, torch.float32, 4, 1, 150, None),
+                                                (4, torch.float16, 4, 1, 37, None),
+                                                (5, torch.float32, 2, 3, 70, 10),
+                                                (2, torch.bfloat16, 8, 2, 0, None)])
+def test_paired_suffix_units_match_reference(monkeypatch, B, dtype, G, L_q, P, end):
+    """Each fused suffix program streams two batch rows (odd B: the last pair's second row is computed, not stored).
+    The rule asks for at most one prefix program per SM, which the interpreter's 4 SMs rarely give: pretend more."""
+    for name, value in LAYOUTS["paired_suffix"].items():
+        monkeypatch.setattr(triton_relay, name, value)
+    monkeypatch.setattr(triton_relay, "_num_sms", lambda index: 1 << 10)
+    assert triton_relay._plan(B, B * G * L_q, G, L_q, P, 16, 2, 64, torch.device(DEVICE)).pair
+    q, pk, pv, sk, sv, lens = [t.to(DEVICE) if t is not None else None
+                               for t in make_inputs(B, 2, G, L_q, 16, P, 64, dtype=dtype, padded=True, seed=B + P)]
+    end_t = None if end is None else torch.tensor([end], device=DEVICE)
+    if end is not None:
+        lens = lens.clamp(min=L_q, max=end)
+    out = run_poisoned(q, pk, pv, sk, sv, lens, end_t)
+    ref = dense_reference(q, pk, pv, sk, sv, suffix_lengths=lens, suffix_end=end_t)
+    assert rel_err(out, ref) < TOL[dtype]
+
+
+def test_suffix_pairing_rule(monkeypatch):
+    """On a 132-SM GPU: B=64 decode rows beside a 4096-token prefix pair up (one prefix program per SM, 512 suffix
+    programs); not where two prefix programs fill each SM (8192 tokens), where the suffix fits beside the prefix
+    (B=32), or where the prefix is short (1024 tokens)."""
+    monkeypatch.setattr(triton_relay, "_num_sms", lambda index: 132)
+    device = torch.device(DEVICE)
+    assert triton_relay._plan(64, 256, 4, 1, 4096, 88, 8, 128, device).pair
+    assert not triton_relay._plan(64, 256, 4, 1, 8192, 88, 8, 128, device).pair
+    assert not triton_relay._plan(32, 128, 4, 1, 4096, 256, 8, 128, device).pair
+    assert not triton_relay._plan(64, 256, 4, 1, 1024, 88, 8, 128, device).pair

@@ -413,18 +413,31 @@ class _Plan(NamedTuple):
     sep: bool  # separate prefix and suffix launches (else one launch for both kinds)
     prefix: tuple[int, int, int, int]  # (BLOCK_M rows, BLOCK_N keys, warps, stages) of the prefix units
     suffix: tuple[int, int, int, int]  # the same for the suffix units (one launch: the prefix's keys/warps/stages)
+    p_blocks: int  # prefix row blocks (of the N = B*G*L_q rows)
     p_splits: int
     p_per: int  # prefix tiles per split
+    s_blocks: int  # suffix row blocks (of one batch row's G*L_q rows)
     s_splits: int
     s_per: int
     fuse_slots: int  # > 0: the suffix launch merges the prefix slots in a tile this wide (power of two); 0: no
     pdl: bool  # the fused suffix launch starts while the prefix launch runs (PDL; a prefix, Hopper+)
-    pair: bool = False  # each fused suffix program streams two batch rows (see SUFFIX_PAIR_ABOVE)
+    pair: bool  # each fused suffix program streams two batch rows (see SUFFIX_PAIR_ABOVE)
+    rows: int  # batch rows B
 
     @property
     def fuse(self) -> bool:
         """The suffix launch merges the prefix slots and writes the output (no merge launch)."""
         return self.fuse_slots > 0
+
+    @property
+    def p_units(self) -> int:
+        """Prefix programs per KV head."""
+        return self.p_blocks * self.p_splits
+
+    @property
+    def s_units(self) -> int:
+        """Suffix programs per KV head (a pair of batch rows each when ``pair``)."""
+        return (triton.cdiv(self.rows, 2) if self.pair else self.rows) * self.s_blocks * self.s_splits
 
 
 def _plan(B: int, N: int, G: int, L_q: int, P: int, L_s: int, H_kv: int, D: int, device: torch.device) -> _Plan:
@@ -436,18 +449,19 @@ def _plan(B: int, N: int, G: int, L_q: int, P: int, L_s: int, H_kv: int, D: int,
     else:
         prefix, suffix = (_block_m(N), block_n, warps, stages), (_block_m(G * L_q), block_n, warps, stages)
     sms = _num_sms(device.index or 0)
+    p_blocks, s_blocks = triton.cdiv(N, prefix[0]), triton.cdiv(G * L_q, suffix[0])
     # the separate layout's prefix launch holds prefix programs only: whole waves of them (see SEPARATE_SPLIT)
     p_splits, p_per = plan_splits(P, N, H_kv, prefix[0], prefix[1], sms, *(SEPARATE_SPLIT if sep else ()),
                                   whole_waves=sep)
-    s_splits, s_per = plan_suffix_splits(L_s, B * triton.cdiv(G * L_q, suffix[0]), H_kv, suffix[1], sms)
+    s_splits, s_per = plan_suffix_splits(L_s, B * s_blocks, H_kv, suffix[1], sms)
     slot_tile = triton.next_power_of_2(max(p_splits, 1))
     fuse = (sep and s_splits == 1 and p_splits <= FUSED_MERGE_SLOTS and suffix[0] * slot_tile <= FUSED_MERGE_TILE)
     pdl = PDL and fuse and P > 0 and device.type == "cuda" and _hopper(device.index or 0)
-    p_programs = triton.cdiv(N, prefix[0]) * p_splits * H_kv
-    s_programs = B * triton.cdiv(G * L_q, suffix[0]) * s_splits * H_kv
-    pair = (SUFFIX_PAIR_ABOVE is not None and fuse and triton.cdiv(G * L_q, suffix[0]) == 1 and p_programs <= sms
-            and P >= SUFFIX_PAIR_MIN_PREFIX and s_programs > SUFFIX_PAIR_ABOVE * sms)
-    return _Plan(sep, prefix, suffix, p_splits, p_per, s_splits, s_per, slot_tile if fuse else 0, pdl, pair)
+    plan = _Plan(sep, prefix, suffix, p_blocks, p_splits, p_per, s_blocks, s_splits, s_per,
+                 slot_tile if fuse else 0, pdl, False, B)
+    pair = (SUFFIX_PAIR_ABOVE is not None and fuse and s_blocks == 1 and plan.p_units * H_kv <= sms
+            and P >= SUFFIX_PAIR_MIN_PREFIX and plan.s_units * H_kv > SUFFIX_PAIR_ABOVE * sms)
+    return plan._replace(pair=pair)
 
 
 def _prefix_descriptors(prefix_key: torch.Tensor, prefix_value: torch.Tensor, block_n: int, block_d: int):
@@ -497,24 +511,22 @@ def relay_attention_triton(query: torch.Tensor, prefix_key: torch.Tensor, prefix
     lens = suffix_lengths if suffix_lengths is not None else plse  # placeholders, never read when absent
     end = suffix_end if suffix_end is not None else plse
     kd, vd = _prefix_descriptors(prefix_key, prefix_value, block_n, block_d)
-    p_blocks, s_blocks = triton.cdiv(N, block_mp), triton.cdiv(G * L_q, block_ms)
-    p_units, s_units = p_blocks * plan.p_splits, (triton.cdiv(B, 2) if plan.pair else B) * s_blocks * plan.s_splits
     args = (query, prefix_key, prefix_value, kd, vd, suffix_key, suffix_value, lens, end, po, plse, out,
             *query.stride(), *prefix_key.stride()[1:], *prefix_value.stride()[1:],
             *suffix_key.stride(), *suffix_value.stride(), *out.stride(), N, P, L_q, L_s, G, D, scale * LOG2E,
-            p_blocks, plan.p_splits, plan.p_per, s_blocks, plan.s_splits, plan.s_per)
+            plan.p_blocks, plan.p_splits, plan.p_per, plan.s_blocks, plan.s_splits, plan.s_per)
     # the CPU interpreter's tl.dot cannot multiply bf16 (numpy has no bf16): upcast there, only there
     flags = dict(HAS_LENS=suffix_lengths is not None, HAS_END=suffix_end is not None, BLOCK_MP=block_mp,
                  BLOCK_MS=block_ms, BLOCK_D=block_d, IEEE=query.dtype == torch.float32, TMA=kd is not None,
                  PDL=plan.pdl, DOT_F32=query.dtype == torch.bfloat16 and _interpreting())
     if not plan.sep:
-        _partials_kernel[(p_units + s_units, H_kv)](*args, **flags, BLOCK_N=block_n, KIND=0, FUSE=0,
+        _partials_kernel[(plan.p_units + plan.s_units, H_kv)](*args, **flags, BLOCK_N=block_n, KIND=0, FUSE=0,
                                                     num_warps=warps, num_stages=stages)
     else:
-        if p_units:
-            _partials_kernel[(p_units, H_kv)](*args, **flags, BLOCK_N=block_n, KIND=1, FUSE=0, num_warps=warps,
+        if plan.p_units:
+            _partials_kernel[(plan.p_units, H_kv)](*args, **flags, BLOCK_N=block_n, KIND=1, FUSE=0, num_warps=warps,
                                               num_stages=stages)
-        _partials_kernel[(s_units, H_kv)](*args, **flags, BLOCK_N=block_ns, KIND=2, FUSE=plan.fuse_slots,
+        _partials_kernel[(plan.s_units, H_kv)](*args, **flags, BLOCK_N=block_ns, KIND=2, FUSE=plan.fuse_slots,
                                           num_warps=warps_s, num_stages=stages_s, launch_pdl=plan.pdl,
                                           PAIR=plan.pair)
     if plan.fuse:

@@ -521,14 +521,14 @@ def relay_attention_triton(query: torch.Tensor, prefix_key: torch.Tensor, prefix
                  PDL=plan.pdl, DOT_F32=query.dtype == torch.bfloat16 and _interpreting())
     if not plan.sep:
         _partials_kernel[(plan.p_units + plan.s_units, H_kv)](*args, **flags, BLOCK_N=block_n, KIND=0, FUSE=0,
-                                                    num_warps=warps, num_stages=stages)
+                                                              num_warps=warps, num_stages=stages)
     else:
         if plan.p_units:
-            _partials_kernel[(plan.p_units, H_kv)](*args, **flags, BLOCK_N=block_n, KIND=1, FUSE=0, num_warps=warps,
-                                              num_stages=stages)
+            _partials_kernel[(plan.p_units, H_kv)](*args, **flags, BLOCK_N=block_n, KIND=1, FUSE=0,
+                                                   num_warps=warps, num_stages=stages)
         _partials_kernel[(plan.s_units, H_kv)](*args, **flags, BLOCK_N=block_ns, KIND=2, FUSE=plan.fuse_slots,
-                                          num_warps=warps_s, num_stages=stages_s, launch_pdl=plan.pdl,
-                                          PAIR=plan.pair)
+                                               num_warps=warps_s, num_stages=stages_s, launch_pdl=plan.pdl,
+                                               PAIR=plan.pair)
     if plan.fuse:
         return out
     tile, merge_warps = MERGE_TILE

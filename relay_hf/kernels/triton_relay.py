@@ -342,8 +342,9 @@ if triton is not None:
                                   suffix_per, HAS_LENS, HAS_END, BLOCK_M, BLOCK_N, BLOCK_D, IEEE, DOT_F32)
         n = b * G * L_q + r
         if PAIR:  # an odd batch's last pair streams row B-1 twice and stores it once
-            b1 = tl.minimum(b + 1, N // (G * L_q) - 1)
-            ok1 = r_ok & (r * 0 + b + 1 < N // (G * L_q))  # a full tensor: the interpreter ands a 0-d bool as int
+            rows = N // (G * L_q)  # batch rows B
+            b1 = tl.minimum(b + 1, rows - 1)
+            ok1 = r_ok & (r * 0 + b + 1 < rows)  # a full tensor: the interpreter ands a 0-d bool as int
             m1, l1, acc1 = _suffix_state(Q, SK, SV, LENS, END, b1, h, qh, i, r_ok, d, d_ok, sq_b, sq_h, sq_l, sq_d,
                                          ssk_b, ssk_h, ssk_s, ssk_d, ssv_b, ssv_h, ssv_s, ssv_d, L_q, L_s, scale_log2,
                                          split, suffix_per, HAS_LENS, HAS_END, BLOCK_M, BLOCK_N, BLOCK_D, IEEE,

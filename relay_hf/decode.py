@@ -28,6 +28,12 @@ STEP_HOOK = None
 # took 6.17 ms with cuBLASLt's kernels vs 6.34 ms with cuBLAS's (docs/performance.md), so for 16-bit models the warm-up
 # and capture run with cuBLASLt preferred; the process-wide preference is restored right after. None: leave it alone.
 CAPTURE_BLAS = "cublaslt"
+# Inductor options for the compiled step on CUDA (the user's CompileConfig.options override them). Combo kernels launch
+# independent small kernels of a layer (RoPE of q and k, the cache writes, norms) as one: S = 8192 / 4096, B = 64,
+# Llama-3-8B, H200: 6.474 / 6.481 -> 6.367 / 6.294 ms and 6.140 / 6.139 -> 5.921 / 5.941 ms a step (session 13,
+# docs/performance.md). It also moves a few roundings (bf16 greedy tokens differ at near ties; fp32 token identity
+# with eager relay holds: tests/test_smollm2.py). ``{}``: inductor's defaults.
+STEP_INDUCTOR_OPTIONS = {"combo_kernels": True}
 
 # generation_config fields that add a logits processor or a stopping criterion unless they hold these values
 _NEUTRAL = {
@@ -115,10 +121,7 @@ class _Stepper:
         self.fn, self.graph, self.warm = _decode_step, None, 0
         self.capture = device.type == "cuda" and compile_config is not None
         if compile_config is not None:
-            mode = {"reduce-overhead": None, "max-autotune": "max-autotune-no-cudagraphs"}.get(compile_config.mode,
-                                                                                              compile_config.mode)
-            self.fn = torch.compile(_decode_step, fullgraph=compile_config.fullgraph, dynamic=False,
-                                    backend=compile_config.backend, mode=mode, options=compile_config.options)
+            self.fn = torch.compile(_decode_step, dynamic=False, **_compile_kwargs(compile_config, device.type))
 
     def __deepcopy__(self, memo):  # a CUDA graph cannot be copied; a copied model captures its own step
         return None
@@ -188,6 +191,21 @@ def _capture_blas(dtype: torch.dtype | None):
     finally:
         if before is not None:
             pick(before)
+
+
+def _compile_kwargs(compile_config, device_type: str) -> dict:
+    """``torch.compile`` arguments for the step from the user's ``CompileConfig``. The loop captures its own CUDA
+    graph, so inductor's graph modes become their no-graph forms; on CUDA, inductor also gets ``STEP_INDUCTOR_OPTIONS``
+    under the user's own options (``torch.compile`` takes a mode or options, so the mode's options are spelled out)."""
+    mode = {"reduce-overhead": None, "max-autotune": "max-autotune-no-cudagraphs"}.get(compile_config.mode,
+                                                                                      compile_config.mode)
+    options = compile_config.options
+    if compile_config.backend == "inductor" and device_type == "cuda" and STEP_INDUCTOR_OPTIONS:
+        from torch._inductor import list_mode_options
+
+        options = {**(list_mode_options(mode) if mode else {}), **STEP_INDUCTOR_OPTIONS, **(options or {})}
+        mode = None
+    return dict(fullgraph=compile_config.fullgraph, backend=compile_config.backend, mode=mode, options=options)
 
 
 def _stepper(model, cache, rows: int, eos, pad, compile_config) -> _Stepper:

@@ -157,3 +157,23 @@ def test_capture_blas_preference_is_scoped(dtype):
         assert inside.name.lower() == CAPTURE_BLAS
     else:
         assert inside == before
+
+
+def test_step_compile_arguments_add_combo_kernels_on_cuda_under_the_users_options():
+    """Inductor on CUDA gets STEP_INDUCTOR_OPTIONS with the mode's own options spelled out (torch.compile takes a mode
+    or options, not both); the user's options win; other backends and the CPU get the user's settings unchanged."""
+    from relay_hf.decode import STEP_INDUCTOR_OPTIONS, _compile_kwargs
+
+    assert STEP_INDUCTOR_OPTIONS == {"combo_kernels": True}
+    cuda = _compile_kwargs(CompileConfig(fullgraph=True), "cuda")
+    assert cuda == dict(fullgraph=True, backend="inductor", mode=None, options={"combo_kernels": True})
+    tuned = _compile_kwargs(CompileConfig(mode="max-autotune"), "cuda")
+    assert tuned["mode"] is None and tuned["options"]["max_autotune"] and tuned["options"]["combo_kernels"]
+    assert "triton.cudagraphs" not in tuned["options"]  # the loop captures its own graph
+    off = _compile_kwargs(CompileConfig(mode=None, options={"combo_kernels": False}), "cuda")
+    assert off["options"] == {"combo_kernels": False}
+    assert _compile_kwargs(CompileConfig(), "cpu") == dict(fullgraph=False, backend="inductor", mode=None,
+                                                           options=None)
+    eager = _compile_kwargs(CompileConfig(backend="eager", mode=None), "cuda")
+    assert eager["backend"] == "eager" and eager["options"] is None
+    torch.compile(lambda x: x + 1, dynamic=False, **cuda)  # a combination torch.compile accepts

@@ -201,9 +201,12 @@ def _compile_kwargs(compile_config, device_type: str) -> dict:
                                                                                       compile_config.mode)
     options = compile_config.options
     if compile_config.backend == "inductor" and device_type == "cuda" and STEP_INDUCTOR_OPTIONS:
+        from torch._inductor import config as inductor_config
         from torch._inductor import list_mode_options
 
-        options = {**(list_mode_options(mode) if mode else {}), **STEP_INDUCTOR_OPTIONS, **(options or {})}
+        known = inductor_config.get_config_copy()  # an older torch without one of ours must still compile
+        ours = {k: v for k, v in STEP_INDUCTOR_OPTIONS.items() if k in known}
+        options = {**(list_mode_options(mode) if mode else {}), **ours, **(options or {})}
         mode = None
     return dict(fullgraph=compile_config.fullgraph, backend=compile_config.backend, mode=mode, options=options)
 

@@ -177,3 +177,10 @@ def test_step_compile_arguments_add_combo_kernels_on_cuda_under_the_users_option
     eager = _compile_kwargs(CompileConfig(backend="eager", mode=None), "cuda")
     assert eager["backend"] == "eager" and eager["options"] is None
     torch.compile(lambda x: x + 1, dynamic=False, **cuda)  # a combination torch.compile accepts
+
+
+def test_step_options_this_torch_does_not_know_are_left_out(monkeypatch):
+    import relay_hf.decode as decode
+
+    monkeypatch.setattr(decode, "STEP_INDUCTOR_OPTIONS", {"combo_kernels": True, "no_such_inductor_option": 1})
+    assert decode._compile_kwargs(CompileConfig(), "cuda")["options"] == {"combo_kernels": True}

@@ -28,8 +28,8 @@ STEP_HOOK = None
 # took 6.17 ms with cuBLASLt's kernels vs 6.34 ms with cuBLAS's (docs/performance.md), so for 16-bit models the warm-up
 # and capture run with cuBLASLt preferred; the process-wide preference is restored right after. None: leave it alone.
 CAPTURE_BLAS = "cublaslt"
-# Inductor options for the compiled step on CUDA (the user's CompileConfig.options override them). Combo kernels launch
-# independent small kernels of a layer (RoPE of q and k, the cache writes, norms) as one: S = 8192 / 4096, B = 64,
+# Inductor options for the compiled step on CUDA (the user's CompileConfig.options override them). Combo kernels let
+# inductor launch independent small kernels together (a step has ~9 of 1-2.5 us a layer). S = 8192 / 4096, B = 64,
 # Llama-3-8B, H200: 6.474 / 6.481 -> 6.367 / 6.294 ms and 6.140 / 6.139 -> 5.921 / 5.941 ms a step (session 13,
 # docs/performance.md). It also moves a few roundings (bf16 greedy tokens differ at near ties; fp32 token identity
 # with eager relay holds: tests/test_smollm2.py). ``{}``: inductor's defaults.

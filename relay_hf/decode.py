@@ -201,10 +201,9 @@ def _compile_kwargs(compile_config, device_type: str) -> dict:
                                                                                       compile_config.mode)
     options = compile_config.options
     if compile_config.backend == "inductor" and device_type == "cuda" and STEP_INDUCTOR_OPTIONS:
-        from torch._inductor import config as inductor_config
-        from torch._inductor import list_mode_options
+        from torch._inductor import list_mode_options, list_options
 
-        known = inductor_config.get_config_copy()  # an older torch without one of ours must still compile
+        known = set(list_options())  # an older torch without one of ours must still compile
         ours = {k: v for k, v in STEP_INDUCTOR_OPTIONS.items() if k in known}
         options = {**(list_mode_options(mode) if mode else {}), **ours, **(options or {})}
         mode = None

@@ -4,18 +4,19 @@ Batched generation under one long system prompt reads that prompt's KV once per 
 exactly (no retraining, no quality change). See README.md and docs/.
 """
 
-from .attention import RelayMask, relay_attention_forward, relay_mask
-from .cache import ATTN_NAME, STATIC_ATTN_NAME, RelayCache, RelayKV, RelayLayer, StaticRelayLayer
-from .generate import RelayDecision, RelayFallbackWarning
-from .kernels import relay_attention, relay_attention_torch
-from .patch import is_patched, patch, unpatch, unsupported_reason
-from .pipeline import RelayTextGenerationPipeline, pipeline
+from importlib.metadata import PackageNotFoundError, version
 
-__version__ = "0.1.0"
+from .cache import RelayCache
+from .generate import RelayFallbackWarning
+from .kernels import relay_attention
+from .patch import is_patched, patch, unpatch
+from .pipeline import pipeline
+from .policy import RelayDecision
 
-__all__ = [
-    "ATTN_NAME", "STATIC_ATTN_NAME", "RelayCache", "RelayDecision", "RelayFallbackWarning", "RelayKV", "RelayLayer",
-    "RelayMask", "RelayTextGenerationPipeline", "StaticRelayLayer", "is_patched", "patch", "pipeline",
-    "relay_attention", "relay_attention_forward", "relay_attention_torch", "relay_mask", "unpatch",
-    "unsupported_reason",
-]
+try:
+    __version__ = version("relay_hf")
+except PackageNotFoundError:  # pragma: no cover - running from a source tree that was never installed
+    __version__ = "0+unknown"
+
+__all__ = ["RelayCache", "RelayDecision", "RelayFallbackWarning", "is_patched", "patch", "pipeline",
+           "relay_attention", "unpatch"]

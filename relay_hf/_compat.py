@@ -27,3 +27,55 @@ def output_cache(output):
         if value is not None:
             return value
     return None
+
+
+# -- attention implementations ---------------------------------------------------------------------------------------
+def attn_implementation(config) -> str | None:
+    """The attention implementation a config selects (transformers keeps it in a private field)."""
+    return getattr(config, "_attn_implementation", None)
+
+
+def can_set_attn_implementation(model) -> bool:
+    """Whether ``model`` routes attention through the ``AttentionInterface`` and lets it be switched."""
+    return bool(getattr(model, "_supports_attention_backend", False)) and model._can_set_attn_implementation()
+
+
+def registered_attention(name: str):
+    """The attention function transformers registered under ``name``."""
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    return ALL_ATTENTION_FUNCTIONS[name]
+
+
+def registered_mask(name: str):
+    """The mask function transformers registered under ``name``, or ``None`` (that implementation builds none)."""
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
+
+    return ALL_MASK_ATTENTION_FUNCTIONS._global_mapping.get(name)
+
+
+@cache
+def _eager_of(module_name: str):
+    import sys
+
+    fn = getattr(sys.modules.get(module_name), "eager_attention_forward", None)
+    if fn is None:
+        raise ValueError(f"{module_name} defines no eager_attention_forward; relay_hf cannot run its eager attention")
+    return fn
+
+
+def eager_attention_function(module):
+    """The ``eager_attention_forward`` that ``module``'s modeling file uses when the model runs eager attention."""
+    return _eager_of(type(module).__module__)
+
+
+# -- generate ------------------------------------------------------------------------------------------------------
+def resolve_generation_config(model, generation_config, kwargs: dict):
+    """``(generation_config, model_kwargs)`` exactly as stock ``generate`` resolves them: user kwargs over the passed
+    config over ``model.generation_config`` over the library defaults (a private method of ``GenerationMixin``)."""
+    return model._prepare_generation_config(generation_config, **kwargs)
+
+
+def compile_all_devices(compile_config) -> bool:
+    """Whether a ``CompileConfig`` asks transformers to compile on every device, not only CUDA."""
+    return bool(getattr(compile_config, "_compile_all_devices", False))

@@ -1,65 +1,112 @@
 """The HF seam: an attention function and a mask function registered under the name ``"relay"``.
 
-* ``relay_mask`` (``AttentionMaskInterface``) builds exactly what ``sdpa_mask`` builds for the sizes the cache
-  reports, and adds ``suffix_lengths``: how many valid (non-pad) suffix tokens each row has. With a ``RelayCache``
-  those sizes cover the suffix only (``kv_offset = P``), so the prefix never enters a mask.
-* ``relay_attention_forward`` (``AttentionInterface``) runs relay attention when the cache handed it
-  ``RelayKV(prefix, suffix)`` pairs, and is exactly ``sdpa_attention_forward`` otherwise (no cache, a
-  ``DynamicCache``, a ``RelayCache`` without a prefix).
-* ``"relay_static"`` is the same attention function with NO mask function: with a static (compileable)
-  ``RelayCache`` the keys carry each row's filled extent on the device, so transformers builds no mask at all and the
-  compiled decode step stays free of mask work. ``patch`` switches to it only for calls that use a static cache.
+A patched model stays on ``"relay"`` for good; every forward decides from what it is handed, never from per-call
+switches of the model's settings (so concurrent calls on one model cannot disturb each other):
+
+* ``relay_attention_forward`` (``AttentionInterface``) runs relay attention when the cache hands it
+  ``RelayKV(prefix, suffix)`` pairs (a ``RelayCache``), and otherwise is exactly the model's own implementation (the
+  one it had before ``patch``: sdpa, eager, flash...; sdpa for a model that was never patched).
+* ``relay_mask`` (``AttentionMaskInterface``) builds exactly the own implementation's mask. Only for a full-attention
+  layer of a dynamic ``RelayCache`` (the one cache that reports ``kv_offset = P > 0`` there) it returns a
+  ``RelayMask`` instead: ``suffix_lengths``, each row's valid (non-pad) suffix tokens. A static
+  ``RelayCache`` carries its rows' extents with its keys and reports no mask positions (``kv_length == 0``): no mask
+  is built, so a compiled decode step has no mask work.
 """
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
 
 import torch
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, causal_mask_function, sdpa_mask
+from transformers.utils import is_torchdynamo_compiling
 
-from .cache import ATTN_NAME, STATIC_ATTN_NAME, RelayKV
+from ._compat import eager_attention_function, registered_attention, registered_mask
+from .cache import ATTN_NAME, RelayKV
 from .kernels import relay_attention
+
+DEFAULT_STOCK = "sdpa"
+# id(config) -> the attention implementation that config had before ``patch``; entries die with their config
+_STOCK: dict[int, str] = {}
+
+
+def set_stock_implementation(config, name: str | None) -> None:
+    """Remember ``name`` as what ``"relay"`` runs for ``config`` whenever there is no relay prefix (``None``: forget).
+    Keyed by identity, so a copied model (new config objects) falls back to ``DEFAULT_STOCK``."""
+    key = id(config)
+    if name is None:
+        _STOCK.pop(key, None)
+        return
+    if key not in _STOCK:
+        weakref.finalize(config, _STOCK.pop, key, None)
+    _STOCK[key] = name
+
+
+def stock_implementation(config) -> str:
+    return _STOCK.get(id(config), DEFAULT_STOCK)
 
 
 @dataclass
 class RelayMask:
-    """What every attention layer receives as ``attention_mask`` under the relay implementation.
+    """What attention layers receive as ``attention_mask`` on a dynamic ``RelayCache``.
 
     Attributes:
-        dense: exactly what ``sdpa_mask`` returns for these sizes: ``[B, 1, L_q, kv_length]`` bool or ``None``.
         suffix_lengths: ``[B]`` int32 count of valid kv positions from ``kv_offset`` on (left padding), or ``None``
             when nothing is padded.
     """
 
-    dense: torch.Tensor | None
     suffix_lengths: torch.Tensor | None
 
 
+def _stock_mask(name: str, **kwargs):
+    fn = sdpa_mask if name == DEFAULT_STOCK else registered_mask(name)
+    return None if fn is None else fn(**kwargs)
+
+
 def relay_mask(batch_size: int, q_length: int, kv_length: int, q_offset: int = 0, kv_offset: int = 0,
-               mask_function=causal_mask_function, attention_mask: torch.Tensor | None = None, **kwargs) -> RelayMask:
-    """``AttentionMaskInterface`` entry: ``sdpa_mask`` plus per-row valid suffix lengths (one reduction per forward,
-    shared by all layers)."""
-    dense = sdpa_mask(batch_size=batch_size, q_length=q_length, kv_length=kv_length, q_offset=q_offset,
-                      kv_offset=kv_offset, mask_function=mask_function, attention_mask=attention_mask, **kwargs)
+               mask_function=causal_mask_function, attention_mask: torch.Tensor | None = None, **kwargs):
+    """``AttentionMaskInterface`` entry: the own implementation's mask, or a ``RelayMask`` for a ``RelayCache``."""
+    if kv_length == 0:  # a static RelayCache: its keys carry every row's extent
+        return None
+    name = stock_implementation(kwargs.get("config"))
+    args = dict(batch_size=batch_size, q_length=q_length, kv_length=kv_length, q_offset=q_offset,
+                kv_offset=kv_offset, mask_function=mask_function, attention_mask=attention_mask, **kwargs)
+    if kv_offset == 0 or "local_size" in kwargs:  # no relay prefix in front of these keys
+        return _stock_mask(name, **args)
     suffix_lengths = None
     if attention_mask is not None:
+        if not is_torchdynamo_compiling() and not bool(attention_mask[:, :kv_offset].all()):
+            raise ValueError("rows are padded in front of the RelayCache's shared prefix: relay attention needs the "
+                             "prefix at the start of every row; call relay_hf.patch(model) (its generate reorders "
+                             "left-padded rows) or pass rows without padding")
         suffix_lengths = attention_mask[:, kv_offset:kv_offset + kv_length].sum(-1, dtype=torch.int32)
-    return RelayMask(dense, suffix_lengths)
+    return RelayMask(suffix_lengths)
+
+
+def _stock_attention(module, query, key, value, attention_mask, **kwargs):
+    """Exactly the model's own attention implementation (what stock transformers runs for this module)."""
+    name = stock_implementation(getattr(module, "config", None))
+    if name == DEFAULT_STOCK:
+        fn = sdpa_attention_forward
+    elif name == "eager":
+        fn = eager_attention_function(module)
+    else:
+        fn = registered_attention(name)
+    return fn(module, query, key, value, attention_mask, **kwargs)
 
 
 def _check_relay_call(module, key: RelayKV, attention_mask, dropout: float, sliding_window, kwargs) -> None:
     """Refuse, by name, anything relay would compute differently from stock attention."""
-    if attention_mask is not None and not isinstance(attention_mask, RelayMask):
-        raise ValueError("relay attention got a custom attention mask it cannot split into prefix and suffix; pass a "
-                         "2D padding mask (or none) with a RelayCache")
     if dropout:
         raise ValueError("relay attention does not implement attention dropout; call model.eval()")
+    if kwargs.get("is_causal") is False or not getattr(module, "is_causal", True):
+        raise ValueError("relay attention is causal; this attention module is not")
     for name in ("softcap", "s_aux", "sinks"):
         if kwargs.get(name) is not None:
-            raise ValueError(f"relay attention does not support `{name}`; relay_hf.patch should have fallen back")
+            raise ValueError(f"relay attention does not support `{name}`; relay_hf.patch should have declined")
     total = key.prefix.shape[-2] + key.suffix.shape[-2]
     if sliding_window is not None and total > sliding_window:
         raise ValueError(f"sliding window of {sliding_window} tokens would exclude prefix tokens at length {total}; "
@@ -68,38 +115,44 @@ def _check_relay_call(module, key: RelayKV, attention_mask, dropout: float, slid
 
 def relay_attention_forward(module: torch.nn.Module, query: torch.Tensor, key, value, attention_mask,
                             dropout: float = 0.0, scaling: float | None = None, sliding_window: int | None = None,
-                            **kwargs) -> tuple[torch.Tensor, None]:
+                            **kwargs) -> tuple[torch.Tensor, torch.Tensor | None]:
     """``AttentionInterface`` entry.
 
     Args:
         query: ``[B, H_q, L_q, D]``.
         key, value: ``RelayKV(prefix [1, H_kv, P, D], suffix [B, H_kv, L_s, D])`` from a ``RelayCache``, or plain
-            ``[B, H_kv, L, D]`` tensors (then this is sdpa).
-        attention_mask: a ``RelayMask`` from ``relay_mask`` (or a tensor / ``None`` on the sdpa path).
+            ``[B, H_kv, L, D]`` tensors (then this is the model's own implementation).
+        attention_mask: with a ``RelayCache`` that does not carry its rows' extents, a ``RelayMask`` or ``None``
+            (ignored when it does); the own implementation's mask otherwise.
 
     Returns:
-        ``([B, L_q, H_q, D], None)`` like every HF attention function.
+        ``([B, L_q, H_q, D], weights or None)`` like every HF attention function.
     """
     if not isinstance(key, RelayKV):
-        dense = attention_mask.dense if isinstance(attention_mask, RelayMask) else attention_mask
-        return sdpa_attention_forward(module, query, key, value, dense, dropout=dropout, scaling=scaling,
-                                      sliding_window=sliding_window, **kwargs)
+        if sliding_window is not None:
+            kwargs["sliding_window"] = sliding_window
+        return _stock_attention(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                **kwargs)
     _check_relay_call(module, key, attention_mask, dropout, sliding_window, kwargs)
-    if key.end is not None:  # static cache: extents travel with the keys
+    if key.lengths is not None or key.end is not None:  # the cache knows its rows' layout: extents travel with it
         suffix_lengths = key.lengths
+    elif isinstance(attention_mask, RelayMask):
+        suffix_lengths = attention_mask.suffix_lengths
+    elif attention_mask is None:
+        suffix_lengths = None
     else:
-        suffix_lengths = attention_mask.suffix_lengths if attention_mask is not None else None
+        raise ValueError("relay attention cannot read the rows' padding from this attention mask (a custom mask, or a "
+                         "sliding-window model): pass the RelayCache to a relay_hf.patch'ed model's generate, which "
+                         "lays the rows out")
     out = relay_attention(query, key.prefix, value.prefix, key.suffix, value.suffix, scale=scaling,
-                          suffix_lengths=suffix_lengths, suffix_end=key.end)  # [B, H_q, L_q, D]
+                          suffix_lengths=suffix_lengths, suffix_end=key.end)  # [B, H_q, L_q, D_v]
     return out.transpose(1, 2).contiguous(), None
 
 
 def register() -> None:
-    """Register ``"relay"`` with transformers' attention and mask interfaces, ``"relay_static"`` with the attention
-    interface only (idempotent)."""
+    """Register ``"relay"`` with transformers' attention and mask interfaces (idempotent)."""
     AttentionInterface.register(ATTN_NAME, relay_attention_forward)
     AttentionMaskInterface.register(ATTN_NAME, relay_mask)
-    AttentionInterface.register(STATIC_ATTN_NAME, relay_attention_forward)
 
 
 register()

@@ -23,10 +23,9 @@ import torch
 from transformers.cache_utils import Cache, CacheLayerMixin, DynamicCache
 from transformers.utils import is_torchdynamo_compiling
 
-from ._compat import cache_kwarg_name
+from ._compat import attn_implementation, cache_kwarg_name
 
 ATTN_NAME = "relay"
-STATIC_ATTN_NAME = "relay_static"  # relay attention without a mask function: a static cache carries its own extents
 
 
 class RelayKV(NamedTuple):
@@ -59,13 +58,17 @@ class RelayLayer(CacheLayerMixin):
     GROWTH = 2
     MIN_CAPACITY = 16
 
-    def __init__(self, prefix_keys: torch.Tensor | None = None, prefix_values: torch.Tensor | None = None):
+    def __init__(self, prefix_keys: torch.Tensor | None = None, prefix_values: torch.Tensor | None = None,
+                 suffix_padding: torch.Tensor | None = None):
         self._kbuf = self._vbuf = None  # suffix buffers [B, H_kv, capacity, D]
         self._len = 0  # valid suffix positions in the buffers
         self._reserve = 0  # capacity to allocate on first append
         super().__init__()
         self.prefix_keys = prefix_keys  # [1, H_kv, P, D] or None before the prefix is set
         self.prefix_values = prefix_values
+        # [B] int: each row's left padding at the start of its suffix, when the caller laid the rows out (relay_hf's
+        # generate does); then attention reads each row's extent from the cache, else from the attention mask
+        self.suffix_padding = suffix_padding
 
     @property
     def keys(self) -> torch.Tensor | None:
@@ -131,7 +134,11 @@ class RelayLayer(CacheLayerMixin):
         if self.prefix_keys is None:
             return self.keys, self.values
         if relay:
-            return RelayKV(self.prefix_keys, self.keys), RelayKV(self.prefix_values, self.values)
+            lengths = None
+            if self.suffix_padding is not None:  # [B] int32 valid suffix positions of each row
+                self.suffix_padding = self.suffix_padding.to(device=key_states.device, dtype=torch.int32)
+                lengths = self._len - self.suffix_padding
+            return (RelayKV(self.prefix_keys, self.keys, lengths), RelayKV(self.prefix_values, self.values, lengths))
         B = self.keys.shape[0]
         keys = torch.cat([self.prefix_keys.expand(B, -1, -1, -1), self.keys], dim=-2)
         values = torch.cat([self.prefix_values.expand(B, -1, -1, -1), self.values], dim=-2)
@@ -157,6 +164,8 @@ class RelayLayer(CacheLayerMixin):
         if self.suffix_length:
             self._kbuf = self._kbuf.index_select(0, beam_idx.to(self._kbuf.device))
             self._vbuf = self._vbuf.index_select(0, beam_idx.to(self._vbuf.device))
+        if self.suffix_padding is not None:
+            self.suffix_padding = self.suffix_padding.index_select(0, beam_idx.to(self.suffix_padding.device))
 
     def crop(self, tokens_to_remove: int) -> None:
         if tokens_to_remove > 0:
@@ -170,10 +179,14 @@ class RelayLayer(CacheLayerMixin):
         if self.suffix_length:
             self._kbuf = self._kbuf.repeat_interleave(repeats, dim=0)
             self._vbuf = self._vbuf.repeat_interleave(repeats, dim=0)
+        if self.suffix_padding is not None:
+            self.suffix_padding = self.suffix_padding.repeat_interleave(repeats)
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:
         if self.suffix_length:
             self._kbuf, self._vbuf = self._kbuf[indices, ...], self._vbuf[indices, ...]
+        if self.suffix_padding is not None:
+            self.suffix_padding = self.suffix_padding[indices.to(self.suffix_padding.device)]
 
 
 class StaticRelayLayer(RelayLayer):
@@ -249,7 +262,9 @@ class StaticRelayLayer(RelayLayer):
         return self.prefix_length if self._end is None else self._end + self.prefix_length  # a tensor: no host sync
 
     def get_mask_sizes(self, query_length: int, relay: bool = False) -> tuple[int, int]:
-        return self.max_suffix_length, self.prefix_length
+        # no mask positions: the keys carry every row's extent, so relay_mask builds nothing (no mask work in a
+        # compiled decode step)
+        return 0, self.prefix_length
 
     def get_max_length(self) -> int:
         return self.prefix_length + self.max_suffix_length
@@ -345,10 +360,13 @@ class RelayCache(Cache):
             max_suffix_length: if given, the fork is static and compileable (``StaticRelayLayer``): suffix buffers
                 of this many positions (prompt after the prefix + new tokens), allocated once. ``torch.compile`` /
                 CUDA graphs (transformers' generate compile path) can then run the decode step.
-            suffix_padding: ``[B]`` int, each row's left padding at the start of its suffix (static only; the
-                dynamic cache reads it from the attention mask).
+            suffix_padding: ``[B]`` int, each row's left padding at the start of its suffix (the rows' layout, as
+                relay_hf's generate makes it). Without it a dynamic fork reads the rows' extents from the attention
+                mask.
         """
         fork = type(self)(self.config, [(lay.prefix_keys, lay.prefix_values) for lay in self.layers], self.prefix_ids)
+        for lay in fork.layers:
+            lay.suffix_padding = suffix_padding
         if max_suffix_length is not None:
             if self.prefix_length == 0:
                 raise ValueError("a static RelayCache needs a prefix; build it with RelayCache.from_prefix")
@@ -388,7 +406,7 @@ class RelayCache(Cache):
     @property
     def relay_active(self) -> bool:
         """Whether attention goes through relay (patched model) rather than a stock implementation."""
-        return self.config._attn_implementation in (ATTN_NAME, STATIC_ATTN_NAME)
+        return attn_implementation(self.config) == ATTN_NAME
 
     @property
     def prefix_device(self) -> torch.device | None:

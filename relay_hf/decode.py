@@ -3,76 +3,50 @@ is compiled and captured as ONE CUDA graph, and the steps are replayed back to b
 
 Why: transformers' ``generate`` loop synchronises with the GPU after every token (``this_peer_finished``, the
 streamer) and its compiled call re-checks every cache tensor before each CUDA-graph replay, so on an H200 the GPU
-idles ~3 ms of a ~9 ms Llama-3-8B step (docs/performance.md). Here the host only looks every ``CHUNK`` steps.
+idles ~3 ms of a ~9 ms Llama-3-8B step (docs/performance.md). Here the host only looks every
+``DecodeConfig.chunk`` steps.
 
 The loop serves exactly what it can reproduce token for token: greedy search with no logits processors and no
 stopping criteria besides ``max_new_tokens`` / ``max_length`` and EOS, output as a plain ``LongTensor``
-(``fast_reason`` says why anything else goes to transformers' own loop, which then runs on the same static cache).
+(``policy.loop_reason`` says why anything else goes to transformers' own loop, which then runs on the same static
+cache).
 """
 
 from __future__ import annotations
 
 import contextlib
 import warnings
+from dataclasses import dataclass
 
 import torch
 from transformers import GenerationConfig
 
 from ._compat import cache_kwarg_name
 
-CHUNK = 16  # decode steps between host looks (EOS: all rows done?; streamer puts)
-# Called (no arguments) once before the first decode step and after every step; ``bench generate`` sets it to mark
-# each step with a CUDA event (no host sync), because this loop takes no stopping criteria to hook into.
-STEP_HOOK = None
-# The step's GEMMs are skinny (a row per sequence). On an H200 (bf16, Llama-3-8B, 64 rows, S = 4096) the captured step
-# took 6.17 ms with cuBLASLt's kernels vs 6.34 ms with cuBLAS's (docs/performance.md), so for 16-bit models the warm-up
-# and capture run with cuBLASLt preferred; the process-wide preference is restored right after. None: leave it alone.
-CAPTURE_BLAS = "cublaslt"
-# Inductor options for the compiled step on CUDA (the user's CompileConfig.options override them). Combo kernels let
-# inductor launch independent small kernels together (a step has ~9 of 1-2.5 us a layer). S = 8192 / 4096, B = 64,
-# Llama-3-8B, H200: 6.474 / 6.481 -> 6.367 / 6.294 ms and 6.140 / 6.139 -> 5.921 / 5.941 ms a step (session 13,
-# docs/performance.md). It also moves a few roundings (bf16 greedy tokens differ at near ties; fp32 token identity
-# with eager relay holds: tests/test_smollm2.py). ``{}``: inductor's defaults.
-STEP_INDUCTOR_OPTIONS = {"combo_kernels": True}
 
-# generation_config fields that add a logits processor or a stopping criterion unless they hold these values
-_NEUTRAL = {
-    "do_sample": (False,), "num_beams": (None, 1), "num_return_sequences": (None, 1), "num_beam_groups": (None, 1),
-    "repetition_penalty": (None, 1.0), "encoder_repetition_penalty": (None, 1.0), "guidance_scale": (None, 1.0),
-    "exponential_decay_length_penalty": (None,), "suppress_tokens": (None,), "begin_suppress_tokens": (None,),
-    "forced_bos_token_id": (None,), "forced_eos_token_id": (None,), "renormalize_logits": (None, False),
-    "remove_invalid_values": (None, False), "max_time": (None,), "stop_strings": (None,),
-    "return_dict_in_generate": (None, False), "output_scores": (None, False), "output_logits": (None, False),
-    "diversity_penalty": (None, 0.0), "synced_gpus": (None, False),
-}
-# generate() arguments that are not generation_config fields and that the loop handles (or that must be empty)
-_GENERATE_ARGS = {"inputs", "input_ids", "attention_mask", "generation_config", "streamer", "logits_processor",
-                  "stopping_criteria", "use_model_defaults", "tokenizer", "cache", "past_key_values",
-                  "synced_gpus", "compile_config"}
+@dataclass(frozen=True)
+class DecodeConfig:
+    """How relay_hf's loop runs (defaults in ``DEFAULT_DECODE``; pass another to ``fast_generate``).
+
+    Attributes:
+        chunk: decode steps between host looks (EOS: all rows done?; streamer puts).
+        capture_blas: BLAS library preferred while the step warms up and is captured, for 16-bit models on CUDA
+            (``None``: leave torch's choice). The step's GEMMs are skinny (a row per sequence); on an H200 (bf16,
+            Llama-3-8B, 64 rows, S = 4096) cuBLASLt's kernels made the captured step 6.17 vs 6.34 ms
+            (docs/performance.md). The process-wide preference is restored right after.
+        step_inductor_options: inductor options for the compiled step on CUDA, under the user's
+            ``CompileConfig.options``. Combo kernels launch a layer's ~9 small independent kernels together:
+            6.14 -> 5.92-5.98 ms a step at S = 4096, B = 64 (docs/performance.md). They move a few roundings (bf16
+            greedy tokens differ at near ties; fp32 token identity holds: tests/test_smollm2.py). ``()``: inductor's
+            defaults.
+    """
+
+    chunk: int = 16
+    capture_blas: str | None = "cublaslt"
+    step_inductor_options: tuple[tuple[str, object], ...] = (("combo_kernels", True),)
 
 
-def fast_reason(model, gen: GenerationConfig, call: dict, T: int) -> str | None:
-    """Why this call cannot run on relay_hf's decode loop (then transformers' loop runs it), or ``None``."""
-    for key, neutral in _NEUTRAL.items():
-        if getattr(gen, key, None) not in neutral:
-            return f"{key}={getattr(gen, key)!r}"
-    for key in ("logits_processor", "stopping_criteria", "synced_gpus"):
-        if call.get(key):
-            return f"`{key}` given"
-    extra = sorted(k for k, v in call.items() if v is not None and k not in _GENERATE_ARGS and not hasattr(gen, k))
-    if extra:
-        return f"model kwargs {extra}"
-    if _new_tokens(gen, T) < 1:
-        return "no new tokens"
-    if getattr(model, "hf_quantizer", None) is not None and not model.hf_quantizer.is_compileable:
-        return "a quantizer that cannot compile"
-    if len(set(getattr(model, "hf_device_map", {"": 0}).values())) > 1:
-        return "a model spread over several devices"
-    return None
-
-
-def _new_tokens(gen: GenerationConfig, T: int) -> int:
-    return gen.max_new_tokens if gen.max_new_tokens is not None else gen.max_length - T
+DEFAULT_DECODE = DecodeConfig()
 
 
 def _greedy(logits: torch.Tensor, k: torch.Tensor, eos) -> torch.Tensor:
@@ -107,12 +81,12 @@ def _decode_step(model, name: str, cache, tok, pos, k, unfinished, eos, pad) -> 
 
 class _Stepper:
     """Runs ``_decode_step`` for one static cache and batch: compiled (``compile_config``), and on CUDA captured as
-    a CUDA graph after two warm-up steps. Kept on the model with its buffers, so the next call with the same pooled
-    cache replays the same graph."""
+    a CUDA graph after two warm-up steps. Kept with its cache (``state.StaticSlot``), so the next call that refills
+    that cache replays the same graph."""
 
-    def __init__(self, model, cache, rows: int, eos, pad, compile_config, key: tuple):
+    def __init__(self, model, cache, rows: int, eos, pad, compile_config, key: tuple, decode: DecodeConfig):
         device = model.device
-        self.key = key
+        self.key, self.decode = key, decode
         self.model, self.cache, self.name, self.eos, self.pad = model, cache, cache_kwarg_name(model), eos, pad
         self.tok = torch.zeros(rows, 1, dtype=torch.long, device=device)  # [R, 1] graph inputs and outputs
         self.pos = torch.zeros_like(self.tok)
@@ -121,7 +95,8 @@ class _Stepper:
         self.fn, self.graph, self.warm = _decode_step, None, 0
         self.capture = device.type == "cuda" and compile_config is not None
         if compile_config is not None:
-            self.fn = torch.compile(_decode_step, dynamic=False, **_compile_kwargs(compile_config, device.type))
+            self.fn = torch.compile(_decode_step, dynamic=False,
+                                    **_compile_kwargs(compile_config, device.type, decode.step_inductor_options))
 
     def __deepcopy__(self, memo):  # a CUDA graph cannot be copied; a copied model captures its own step
         return None
@@ -133,7 +108,7 @@ class _Stepper:
         if self.graph is not None:
             self.graph.replay()
             return
-        with _capture_blas(self.model.dtype if self.capture else None):
+        with _capture_blas(self.decode.capture_blas, self.model.dtype if self.capture else None):
             self._warm_or_capture()
 
     def _warm_or_capture(self) -> None:
@@ -175,15 +150,15 @@ class _Stepper:
 
 
 @contextlib.contextmanager
-def _capture_blas(dtype: torch.dtype | None):
-    """``CAPTURE_BLAS`` preferred inside the block for fp16/bf16 ``dtype`` (CUDA only), else nothing changes."""
+def _capture_blas(library: str | None, dtype: torch.dtype | None):
+    """``library`` preferred inside the block for fp16/bf16 ``dtype`` (CUDA only), else nothing changes."""
     pick = getattr(torch.backends.cuda, "preferred_blas_library", None)
-    if CAPTURE_BLAS is None or pick is None or torch.version.hip or dtype not in (torch.float16, torch.bfloat16):
+    if library is None or pick is None or torch.version.hip or dtype not in (torch.float16, torch.bfloat16):
         yield
         return
     before = pick()
     try:
-        pick(CAPTURE_BLAS)
+        pick(library)
     except RuntimeError:  # a build without it: nothing changed, nothing to restore
         before = None
     try:
@@ -193,34 +168,33 @@ def _capture_blas(dtype: torch.dtype | None):
             pick(before)
 
 
-def _compile_kwargs(compile_config, device_type: str) -> dict:
+def _compile_kwargs(compile_config, device_type: str, step_options: tuple = DEFAULT_DECODE.step_inductor_options
+                    ) -> dict:
     """``torch.compile`` arguments for the step from the user's ``CompileConfig``. The loop captures its own CUDA
-    graph, so inductor's graph modes become their no-graph forms; on CUDA, inductor also gets ``STEP_INDUCTOR_OPTIONS``
+    graph, so inductor's graph modes become their no-graph forms; on CUDA, inductor also gets ``step_options``
     under the user's own options (``torch.compile`` takes a mode or options, so the mode's options are spelled out)."""
     mode = {"reduce-overhead": None, "max-autotune": "max-autotune-no-cudagraphs"}.get(compile_config.mode,
                                                                                       compile_config.mode)
     options = compile_config.options
-    if compile_config.backend == "inductor" and device_type == "cuda" and STEP_INDUCTOR_OPTIONS:
+    if compile_config.backend == "inductor" and device_type == "cuda" and step_options:
         from torch._inductor import list_mode_options, list_options
 
         known = set(list_options())  # an older torch without one of ours must still compile
-        ours = {k: v for k, v in STEP_INDUCTOR_OPTIONS.items() if k in known}
+        ours = {k: v for k, v in step_options if k in known}
         options = {**(list_mode_options(mode) if mode else {}), **ours, **(options or {})}
         mode = None
     return dict(fullgraph=compile_config.fullgraph, backend=compile_config.backend, mode=mode, options=options)
 
 
-def _stepper(model, cache, rows: int, eos, pad, compile_config) -> _Stepper:
-    """The kept step if its graph was captured for this cache and these values (they are baked into it), else a new
-    one."""
+def _stepper(model, slot, rows: int, eos, pad, compile_config, decode: DecodeConfig) -> _Stepper:
+    """The slot's step if its graph was captured for these values (they are baked into it), else a new one."""
     compiled = None if compile_config is None else repr(compile_config.to_dict())
-    key = rows, None if eos is None else (tuple(eos[0].tolist()), int(eos[1])), int(pad), compiled
-    old = model._relay_state.stepper
-    if old is not None and old.cache is cache and old.key == key:
-        return old
-    model._relay_state.stepper = None  # free the old graph's pool first
-    model._relay_state.stepper = _Stepper(model, cache, rows, eos, pad, compile_config, key)
-    return model._relay_state.stepper
+    key = rows, None if eos is None else (tuple(eos[0].tolist()), int(eos[1])), int(pad), compiled, decode
+    if slot.stepper is not None and slot.stepper.key == key:
+        return slot.stepper
+    slot.stepper = None  # free the old graph's pool first
+    slot.stepper = _Stepper(model, slot.cache, rows, eos, pad, compile_config, key, decode)
+    return slot.stepper
 
 
 def _stop_length(tokens: torch.Tensor, eos: torch.Tensor) -> int:
@@ -241,14 +215,15 @@ def _eos(model, gen: GenerationConfig, T: int):
     return ids, min_k, columns.index_fill_(0, ids, True)
 
 
-def fast_generate(model, ids: torch.Tensor, mask: torch.Tensor, cache, gen: GenerationConfig, streamer=None,
-                  compile_config=None) -> torch.Tensor:
+def fast_generate(model, ids: torch.Tensor, mask: torch.Tensor, slot, gen: GenerationConfig, streamer, compile_config,
+                  n_new: int, decode: DecodeConfig = DEFAULT_DECODE) -> torch.Tensor:
     """Greedy generation on relay_hf's loop. ``ids``/``mask`` ``[R, T]`` in relay layout (shared prefix first, then
-    each row's pads, then its own tokens); ``cache`` a static ``RelayCache`` holding the prefix only. Prefills the
-    rows' own tokens (the prefix is never recomputed), then decodes with ``_Stepper``. Returns ``[R, T + n]`` int64
-    sequences, ``n`` as stock generate gives it (``max_new_tokens``, or fewer when every row has hit EOS)."""
+    each row's pads, then its own tokens); ``slot`` a ``state.StaticSlot`` whose static ``RelayCache`` holds the
+    prefix only. Prefills the rows' own tokens (the prefix is never recomputed), then decodes ``n_new`` tokens at
+    most with ``_Stepper``. Returns ``[R, T + n]`` int64 sequences, ``n`` as stock generate gives it (``n_new``, or
+    fewer when every row has hit EOS)."""
     R, T = ids.shape
-    n_new = _new_tokens(gen, T)
+    cache = slot.cache
     eos = _eos(model, gen, T)
     pad = torch.tensor(gen.pad_token_id if gen.pad_token_id is not None else int(eos[0][0]) if eos else 0,
                        device=ids.device)
@@ -258,7 +233,7 @@ def fast_generate(model, ids: torch.Tensor, mask: torch.Tensor, cache, gen: Gene
     P = cache.prefix_length
     logits = model(input_ids=ids[:, P:], position_ids=pos[:, P:], use_cache=True, logits_to_keep=1,
                    **{cache_kwarg_name(model): cache}).logits
-    step = _stepper(model, cache, R, eos, pad, compile_config)
+    step = _stepper(model, slot, R, eos, pad, compile_config, decode)
     step.k.zero_()
     step.unfinished.fill_(True)
     first = _choose(logits[:, -1, :], step.k, step.unfinished, eos, pad)
@@ -266,8 +241,6 @@ def fast_generate(model, ids: torch.Tensor, mask: torch.Tensor, cache, gen: Gene
     step.tok.copy_(first[:, None])
     step.pos.copy_(pos[:, -1:] + 1)
     tokens, sent = [first], 0
-    if STEP_HOOK is not None:
-        STEP_HOOK()
     while True:
         done = len(tokens) >= n_new or (eos is not None and not bool(step.unfinished.any()))  # the host's one look
         keep = len(tokens)
@@ -279,11 +252,9 @@ def fast_generate(model, ids: torch.Tensor, mask: torch.Tensor, cache, gen: Gene
             sent = keep
         if done:
             break
-        for _ in range(min(CHUNK, n_new - len(tokens))):
+        for _ in range(min(decode.chunk, n_new - len(tokens))):
             step()
             tokens.append(step.tok[:, 0].clone())
-            if STEP_HOOK is not None:
-                STEP_HOOK()
     if streamer is not None:
         streamer.end()
     return torch.cat([ids, torch.stack(tokens[:keep], 1)], 1)

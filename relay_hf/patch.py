@@ -1,46 +1,28 @@
 """``relay_hf.patch(model)`` / ``unpatch(model)``: batched ``generate`` that prefills a shared prefix once.
 
-``patch`` switches the instance to the ``"relay"`` attention implementation (exactly sdpa whenever no relay prefix is
-involved) and shadows that one instance's ``generate``. The wrapped ``generate``:
-
-1. finds the longest common token prefix ``P`` of the left-padded rows (or takes the one of a ``RelayCache`` you
-   pass),
-2. prefills it once at batch 1 into a ``RelayCache`` (a fork of yours, which is never mutated),
-3. permutes each row to ``[prefix | pads | suffix]`` and runs stock ``generate`` on that, so only the suffixes are
-   prefilled and every decode step reads the prefix once per batch,
-4. hands back ``sequences`` in the stock layout, with the ``RelayCache`` as the returned cache.
-
-``cache_implementation="static"`` (or a ``compile_config``) gets a static, compileable ``RelayCache`` instead, so
-transformers' compiled / CUDA-graph decode path runs the relay kernel (``generate.py``).
-
-Whatever it cannot do exactly goes to stock ``generate`` with the reason in ``model.relay_last_decision``.
+``patch`` switches the instance to the ``"relay"`` attention implementation for good (exactly the model's own
+implementation whenever no relay prefix is involved; ``attention.py``), checks by a tiny forward that relay
+reproduces the model (``probe.py``), and shadows that one instance's ``generate`` (``generate.py``). Which calls run
+relay is decided in one place, ``policy.py``.
 """
 
 from __future__ import annotations
 
-import types
 import warnings
-from dataclasses import dataclass
 
-from . import attention  # noqa: F401  (registers the "relay" implementation)
+from . import attention
+from ._compat import attn_implementation, can_set_attn_implementation
 from .cache import ATTN_NAME
-from .generate import RelayFallbackWarning, relay_generate
+from .generate import RelayFallbackWarning, RelayGenerate
+from .state import RelayState
 
 DEFAULT_MIN_PREFIX_LENGTH = 32
 _SUPPORTED_LAYER_TYPES = {"full_attention", "sliding_attention"}
 
 
-@dataclass
-class _RelayState:
-    original_attn: str
-    min_prefix_length: int
-    unsupported: str | None
-    static_cache: object = None  # the last static RelayCache, refilled by the next call of the same shapes
-    stepper: object = None  # the last decode step of relay_hf's loop (compiled, CUDA graph) on that cache
-
-
 def unsupported_reason(model) -> str | None:
-    """Why relay cannot be exact for this model (softcapping, sinks, ALiBi, exotic layers...), or ``None``."""
+    """Why relay cannot be exact for this model by its configuration (softcapping, sinks, ALiBi, exotic layers...),
+    or ``None``. ``patch`` also runs a probe forward (``probe.probe_reason``) for what a config cannot tell."""
     config = model.config
     text = config.get_text_config(decoder=True)
     if getattr(config, "is_encoder_decoder", False):
@@ -53,12 +35,48 @@ def unsupported_reason(model) -> str | None:
         return "attention sinks are not implemented by relay attention"
     if getattr(text, "attention_chunk_size", None) is not None:
         return "chunked attention is not implemented by relay attention"
-    if not getattr(model, "_supports_attention_backend", False) or not model._can_set_attn_implementation():
+    if not getattr(text, "is_causal", True):
+        return "the model's attention is not causal"
+    if not can_set_attn_implementation(model):
         return f"{type(model).__name__} does not route attention through transformers' AttentionInterface"
     layer_types = set(getattr(text, "layer_types", None) or ["full_attention"])
     if not layer_types <= _SUPPORTED_LAYER_TYPES:
         return f"layer types {sorted(layer_types - _SUPPORTED_LAYER_TYPES)} are not supported by relay attention"
     return None
+
+
+def _configs(model) -> list:
+    """Every config object the model's modules read their attention implementation from."""
+    seen = {id(model.config): model.config}
+    for module in model.modules():
+        config = getattr(module, "config", None)
+        if config is not None and hasattr(config, "_attn_implementation"):
+            seen.setdefault(id(config), config)
+    return list(seen.values())
+
+
+def _switch_to_relay(model) -> None:
+    configs = _configs(model)
+    stock = [(c, attn_implementation(c)) for c in configs]
+    model.set_attn_implementation(ATTN_NAME)
+    for config, name in stock:
+        attention.set_stock_implementation(config, name)
+
+
+def _switch_back(model, original: str) -> None:
+    configs = _configs(model)
+    if attn_implementation(model.config) == ATTN_NAME:  # a choice the user made after patch stays
+        model.set_attn_implementation(original)
+    for config in configs:
+        attention.set_stock_implementation(config, None)
+
+
+def _probe(model) -> str | None:
+    try:
+        from .probe import probe_reason
+    except ImportError:
+        return None
+    return probe_reason(model)
 
 
 def patch(model, *, min_prefix_length: int = DEFAULT_MIN_PREFIX_LENGTH):
@@ -68,21 +86,32 @@ def patch(model, *, min_prefix_length: int = DEFAULT_MIN_PREFIX_LENGTH):
         model: a transformers causal LM. Patched in place (this instance only) and returned.
         min_prefix_length: shortest common prefix (tokens) worth a separate prefill; shorter runs stock.
 
-    A model relay cannot serve exactly (softcapping, sinks, ALiBi, chunked or linear attention...) keeps its
-    attention; a ``RelayFallbackWarning`` says why and ``generate`` stays stock.
+    A model relay cannot serve exactly (softcapping, sinks, ALiBi, chunked or linear attention, an attention module
+    that does more than hand its KV to the attention function...) keeps its attention; a ``RelayFallbackWarning``
+    says why and ``generate`` stays stock.
     """
-    if "_relay_state" in model.__dict__:
+    if not isinstance(min_prefix_length, int) or isinstance(min_prefix_length, bool) or min_prefix_length < 0:
+        raise ValueError(f"min_prefix_length must be a non-negative int, got {min_prefix_length!r}")
+    if is_patched(model):
         model._relay_state.min_prefix_length = min_prefix_length
         return model
+    original = attn_implementation(model.config)
     reason = unsupported_reason(model)
-    model._relay_state = _RelayState(model.config._attn_implementation, min_prefix_length, reason)
     if reason is None:
-        model.set_attn_implementation(ATTN_NAME)
-    else:
+        _switch_to_relay(model)
+        try:
+            reason = _probe(model)
+        except BaseException:
+            _switch_back(model, original)
+            raise
+        if reason is not None:
+            _switch_back(model, original)
+    if reason is not None:
         warnings.warn(f"relay_hf: {reason}; {type(model).__name__} keeps stock attention", RelayFallbackWarning,
                       stacklevel=2)
+    model._relay_state = RelayState(original, min_prefix_length, reason)
     model.relay_last_decision = None
-    model.generate = types.MethodType(relay_generate, model)
+    model.generate = RelayGenerate(model)
     return model
 
 
@@ -91,10 +120,10 @@ def unpatch(model):
     state = model.__dict__.pop("_relay_state", None)
     if state is None:
         return model
-    del model.generate
+    model.__dict__.pop("generate", None)
     model.__dict__.pop("relay_last_decision", None)
-    if model.config._attn_implementation != state.original_attn:
-        model.set_attn_implementation(state.original_attn)
+    if state.declined is None:
+        _switch_back(model, state.original_attn)
     return model
 
 

@@ -5,6 +5,7 @@ import torch
 
 import relay_hf
 from relay_hf import RelayCache
+from relay_hf.cache import RelayLayer, StaticRelayLayer
 from tests.tiny import shared_prefix_batch, tiny_model
 
 
@@ -72,7 +73,7 @@ def test_relay_cache_forward_on_patched_model_matches(model):
 
 
 def test_decode_writes_in_place_and_grows_geometrically():
-    lay = relay_hf.RelayLayer(torch.randn(1, 2, 5, 8), torch.randn(1, 2, 5, 8))
+    lay = RelayLayer(torch.randn(1, 2, 5, 8), torch.randn(1, 2, 5, 8))
     lay.reserve(20)
     lay.append(torch.randn(3, 2, 6, 8), torch.randn(3, 2, 6, 8))
     ptr, cap = lay._kbuf.data_ptr(), lay.capacity
@@ -114,7 +115,7 @@ def test_200_generate_calls_keep_memory_flat(static):
 
 
 def _static_layer(B=3, cap=8, pads=(0, 2, 5)):
-    lay = relay_hf.StaticRelayLayer(torch.randn(1, 2, 5, 8), torch.randn(1, 2, 5, 8), cap,
+    lay = StaticRelayLayer(torch.randn(1, 2, 5, 8), torch.randn(1, 2, 5, 8), cap,
                                     torch.tensor(pads, dtype=torch.int32))
     return lay
 

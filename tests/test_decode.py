@@ -78,7 +78,7 @@ def test_streamer_gets_what_stock_streams():
 
 @pytest.mark.parametrize("gen, reason", [
     (dict(return_dict_in_generate=True, output_logits=True), "return_dict_in_generate"),
-    (dict(repetition_penalty=1.3), "repetition_penalty"),
+    (dict(suppress_tokens=[5, 6]), "suppress_tokens"),
     (dict(logits_processor=LogitsProcessorList([TopKLogitsWarper(5)])), "logits_processor"),
 ])
 def test_calls_the_loop_cannot_reproduce_run_on_transformers_loop(gen, reason):
@@ -102,9 +102,9 @@ def test_compiled_step_traces_as_one_graph_and_matches_eager():
     torch._dynamo.reset()
     compiled = model.generate(ids, attention_mask=mask, max_new_tokens=8, do_sample=False, compile_config=config)
     assert model.relay_last_decision.fast_decode
-    assert hasattr(model._relay_state.stepper.fn, "_torchdynamo_orig_callable")  # the compiled step ran
+    assert hasattr(model._relay_state.idle_static().stepper.fn, "_torchdynamo_orig_callable")  # the compiled step ran
     assert torch.equal(eager, compiled)
-    assert model.config._attn_implementation == "relay"  # restored after the static call
+    assert model.config._attn_implementation == "relay"
 
 
 def test_a_step_that_fails_to_compile_decodes_eagerly_with_a_warning():
@@ -130,9 +130,9 @@ def test_a_patched_model_with_a_kept_step_can_be_deep_copied():
     model = relay_hf.patch(tiny_model("qwen3"), min_prefix_length=8)
     ids, mask, _ = shared_prefix_batch(seed=16)
     out = model.generate(ids, attention_mask=mask, max_new_tokens=6, **STATIC)
-    assert model._relay_state.stepper is not None
+    assert model._relay_state.idle_static().stepper is not None
     twin = copy.deepcopy(model)
-    assert twin._relay_state.stepper is None
+    assert twin._relay_state.idle_static() is None and relay_hf.is_patched(twin)
     assert torch.equal(out, twin.generate(ids, attention_mask=mask, max_new_tokens=6, **STATIC))
 
 
@@ -147,24 +147,24 @@ def test_stop_length_is_where_the_last_row_hits_eos():
 def test_capture_blas_preference_is_scoped(dtype):
     """The decode graph's cuBLASLt preference holds only inside the capture, only for 16-bit models (fp32 steps keep
     the GEMMs the eager path uses), and a build without cuBLASLt (the CPU one) just keeps what it has."""
-    from relay_hf.decode import CAPTURE_BLAS, _capture_blas
+    from relay_hf.decode import DEFAULT_DECODE, _capture_blas
 
     before = torch.backends.cuda.preferred_blas_library()
-    with _capture_blas(dtype):
+    with _capture_blas(DEFAULT_DECODE.capture_blas, dtype):
         inside = torch.backends.cuda.preferred_blas_library()
     assert torch.backends.cuda.preferred_blas_library() == before
     if dtype in (torch.bfloat16, torch.float16) and torch.cuda.is_available() and not torch.version.hip:
-        assert inside.name.lower() == CAPTURE_BLAS
+        assert inside.name.lower() == DEFAULT_DECODE.capture_blas
     else:
         assert inside == before
 
 
 def test_step_compile_arguments_add_combo_kernels_on_cuda_under_the_users_options():
-    """Inductor on CUDA gets STEP_INDUCTOR_OPTIONS with the mode's own options spelled out (torch.compile takes a mode
-    or options, not both); the user's options win; other backends and the CPU get the user's settings unchanged."""
-    from relay_hf.decode import STEP_INDUCTOR_OPTIONS, _compile_kwargs
+    """Inductor on CUDA gets the decode config's step options with the mode's own options spelled out (torch.compile
+    takes a mode or options, not both); the user's options win; other backends and the CPU get the user's settings
+    unchanged."""
+    from relay_hf.decode import _compile_kwargs
 
-    assert STEP_INDUCTOR_OPTIONS == {"combo_kernels": True}
     cuda = _compile_kwargs(CompileConfig(fullgraph=True), "cuda")
     assert cuda == dict(fullgraph=True, backend="inductor", mode=None, options={"combo_kernels": True})
     tuned = _compile_kwargs(CompileConfig(mode="max-autotune"), "cuda")
@@ -179,8 +179,9 @@ def test_step_compile_arguments_add_combo_kernels_on_cuda_under_the_users_option
     torch.compile(lambda x: x + 1, dynamic=False, **cuda)  # a combination torch.compile accepts
 
 
-def test_step_options_this_torch_does_not_know_are_left_out(monkeypatch):
-    import relay_hf.decode as decode
+def test_step_options_this_torch_does_not_know_are_left_out():
+    from relay_hf.decode import _compile_kwargs
 
-    monkeypatch.setattr(decode, "STEP_INDUCTOR_OPTIONS", {"combo_kernels": True, "no_such_inductor_option": 1})
-    assert decode._compile_kwargs(CompileConfig(), "cuda")["options"] == {"combo_kernels": True}
+    options = (("combo_kernels", True), ("no_such_inductor_option", 1))
+    assert _compile_kwargs(CompileConfig(), "cuda", options)["options"] == {"combo_kernels": True}
+    assert _compile_kwargs(CompileConfig(), "cuda", ())["options"] is None

@@ -7,6 +7,7 @@ import torch
 
 import relay_hf
 from relay_hf._compat import output_cache
+from relay_hf.cache import ATTN_NAME
 from tests.tiny import ARCHS, shared_prefix_batch, tiny_model
 
 
@@ -193,7 +194,7 @@ def test_unpatch_restores_stock():
     model = tiny_model("qwen3")
     original_attn = model.config._attn_implementation
     relay_hf.patch(model)
-    assert model.config._attn_implementation == relay_hf.ATTN_NAME and relay_hf.is_patched(model)
+    assert model.config._attn_implementation == ATTN_NAME and relay_hf.is_patched(model)
     relay_hf.unpatch(model)
     assert model.config._attn_implementation == original_attn and not relay_hf.is_patched(model)
     assert "generate" not in model.__dict__ and not hasattr(model, "relay_last_decision")
@@ -212,13 +213,14 @@ def test_patched_forward_without_relay_cache_is_sdpa():
     assert torch.equal(stock, patched)
 
 
-def test_sliding_window_reaching_into_the_prefix_falls_back_with_a_warning():
+def test_sliding_window_reaching_into_the_prefix_falls_back_with_a_warning(caplog):
     model = tiny_model("mistral", sliding_window=48)
     ids, mask, _ = shared_prefix_batch()
     stock = model.generate(ids, attention_mask=mask, max_new_tokens=6, do_sample=False)
     relay_hf.patch(model, min_prefix_length=8)
-    with pytest.warns(relay_hf.RelayFallbackWarning, match="sliding window"):
+    with caplog.at_level(logging.WARNING, logger="relay_hf"):
         out = model.generate(ids, attention_mask=mask, max_new_tokens=6, do_sample=False)
+    assert any("sliding window" in r.getMessage() for r in caplog.records)
     assert not model.relay_last_decision.used
     assert torch.equal(out, stock)
 
@@ -316,10 +318,10 @@ def test_static_cache_is_refilled_in_place_by_the_next_call(hf_loop):
                              return_dict_in_generate=hf_loop, cache_implementation="static")
         assert torch.equal(stock, out.sequences if hf_loop else out)
         assert model.relay_last_decision.fast_decode != hf_loop
-        cache = model._relay_state.static_cache
-        assert not hf_loop or output_cache(out) is cache
-        layer = cache.layers[0]
-        outs.append((cache, layer._kbuf.data_ptr(), layer.prefix_keys.data_ptr(), model._relay_state.stepper))
+        slot = model._relay_state.idle_static()
+        assert not hf_loop or output_cache(out) is slot.cache
+        layer = slot.cache.layers[0]
+        outs.append((slot.cache, layer._kbuf.data_ptr(), layer.prefix_keys.data_ptr(), slot.stepper))
     assert outs[0] == outs[1]
     assert (outs[0][3] is None) == hf_loop
 

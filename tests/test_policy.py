@@ -2,7 +2,7 @@
 
 import torch
 
-from relay_hf.dispatch import CUDA_MIN_SHARED_TOKENS, relay_pays
+from relay_hf.policy import CUDA_MIN_SHARED_TOKENS, relay_pays
 
 CPU, CUDA = torch.device("cpu"), torch.device("cuda")
 

@@ -1,0 +1,316 @@
+"""Every relay-or-stock rule in one place: ``decide(model, call)`` returns one frozen ``Plan`` per ``generate`` call.
+
+The rules, in the order they are checked:
+
+1. the model: patched, not declined by ``patch``, still on the ``"relay"`` implementation (``model_reason``);
+2. the call: a ``RelayCache`` or no cache, 2D integer ids, no feature that reads the prompt's token order or needs
+   per-position outputs (those run stock: relay reorders each row's pads behind the shared prefix), left padding;
+3. the batch: a shared prefix long enough to pay (``relay_pays``; numbers in docs/performance.md), within the
+   position range and any sliding window;
+4. the loop: on a static cache, relay_hf's captured decode loop where it reproduces stock token for token
+   (``loop_reason``), else transformers' loop.
+
+Stock plans carry ``expected``: ``False`` where the user would have gained from relay (``generate`` then warns once
+per reason through the ``relay_hf`` logger); ``True`` for the ordinary cases (one row, a short prefix, not patched).
+"""
+
+from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass, field
+
+import torch
+from transformers import CompileConfig, GenerationConfig
+
+from ._compat import attn_implementation, compile_all_devices, resolve_generation_config
+from .cache import ATTN_NAME, RelayCache
+from .prefix import common_prefix_length, first_mismatch, left_padding
+
+# rows * prefix tokens below which the CUDA relay kernel is not measured to beat SDPA over the expanded prefix
+# (B=8, S=512: 1.31x; docs/performance.md, kernel table)
+CUDA_MIN_SHARED_TOKENS = 4096
+CACHE_NAMES = ("cache", "past_key_values")
+# generate() arguments relay does not serve
+_STOCK_KWARGS = ("inputs_embeds", "position_ids", "assistant_model", "prefix_allowed_tokens_fn", "custom_generate",
+                 "negative_prompt_ids", "negative_prompt_attention_mask", "decoder_input_ids", "assistant_tokenizer",
+                 "target_tokenizer")
+# generation-config fields (with the values that switch them off) whose processors read the prompt's ids beyond its
+# length and last tokens, whose outputs have per-position shapes, or that run another decoding method
+_STOCK_FIELDS = {
+    "repetition_penalty": (None, 1.0), "encoder_repetition_penalty": (None, 1.0),
+    "no_repeat_ngram_size": (None, 0), "encoder_no_repeat_ngram_size": (None, 0), "bad_words_ids": (None,),
+    "sequence_bias": (None,), "watermarking_config": (None,), "guidance_scale": (None, 1.0),
+    "output_attentions": (None, False), "output_hidden_states": (None, False), "token_healing": (None, False),
+    "prefill_chunk_size": (None,), "dola_layers": (None,), "penalty_alpha": (None,),
+    "prompt_lookup_num_tokens": (None,), "assistant_early_exit": (None,), "num_beam_groups": (None, 1),
+    "diversity_penalty": (None, 0.0), "constraints": (None,), "force_words_ids": (None,),
+}
+# generation-config fields (with their neutral values) that add a processor or criterion relay_hf's loop does not
+# reproduce; those calls decode on transformers' loop
+_LOOP_NEUTRAL = {
+    "do_sample": (None, False), "num_beams": (None, 1), "num_return_sequences": (None, 1),
+    "exponential_decay_length_penalty": (None,), "suppress_tokens": (None,), "begin_suppress_tokens": (None,),
+    "forced_bos_token_id": (None,), "forced_eos_token_id": (None,), "renormalize_logits": (None, False),
+    "remove_invalid_values": (None, False), "max_time": (None,), "stop_strings": (None,),
+    "return_dict_in_generate": (None, False), "output_scores": (None, False), "output_logits": (None, False),
+    "synced_gpus": (None, False),
+}
+# generate() arguments that are not generation-config fields and that relay_hf's loop handles (or that must be empty)
+_LOOP_ARGS = {"inputs", "input_ids", "attention_mask", "generation_config", "streamer", "logits_processor",
+              "stopping_criteria", "use_model_defaults", "tokenizer", "cache", "past_key_values", "synced_gpus",
+              "compile_config"}
+
+
+@dataclass
+class RelayDecision:
+    """What the last patched ``generate`` call did. ``used``: relay attention served it; ``reason``: why not;
+    ``static``: it ran on a static (compileable) ``RelayCache``; ``fast_decode``: relay_hf's own decode loop (one CUDA
+    graph per step, no host sync per token) ran it, else transformers' loop did (``loop_reason`` says why)."""
+
+    used: bool
+    reason: str
+    prefix_length: int = 0
+    rows: int = 0
+    static: bool = False
+    fast_decode: bool = False
+    loop_reason: str = ""
+
+
+@dataclass(frozen=True, eq=False)
+class Plan:
+    """One call's decision and what running it needs.
+
+    Attributes:
+        relay: relay serves the call; else stock ``generate`` runs it unchanged (a ``RelayCache`` argument removed).
+        reason: ``"relay"`` or why not. ``expected``: a stock plan the user would expect (no warning).
+        rows: sequences decoded (batch x beams / return sequences). ``prefix_length``: shared tokens ``P``.
+        static: a static (compileable) ``RelayCache``; ``fast_decode``: relay_hf's own decode loop decodes,
+            compiled with ``compile_config`` (and captured as a CUDA graph on CUDA) where that is set
+            (``loop_reason`` says why not).
+        new_tokens: tokens stock ``generate`` would make at most. ``ids`` / ``mask`` ``[B, T]``; ``n_pad`` ``[B]``
+            left pads; ``user_cache``: the caller's ``RelayCache`` (never mutated); ``gen``: the resolved config.
+    """
+
+    relay: bool
+    reason: str
+    expected: bool = True
+    rows: int = 0
+    prefix_length: int = 0
+    static: bool = False
+    fast_decode: bool = False
+    loop_reason: str = ""
+    new_tokens: int = 0
+    ids: torch.Tensor | None = field(default=None, repr=False)
+    mask: torch.Tensor | None = field(default=None, repr=False)
+    n_pad: torch.Tensor | None = field(default=None, repr=False)
+    user_cache: RelayCache | None = field(default=None, repr=False)
+    gen: GenerationConfig | None = field(default=None, repr=False)
+    compile_config: CompileConfig | None = field(default=None, repr=False)
+
+    def decision(self) -> RelayDecision:
+        return RelayDecision(self.relay, self.reason, self.prefix_length, self.rows, self.static, self.fast_decode,
+                             self.loop_reason)
+
+
+class _Stock(Exception):
+    def __init__(self, reason: str, expected: bool = False):
+        super().__init__(reason)
+        self.expected = expected
+
+
+def model_reason(model) -> str | None:
+    """Why relay cannot serve ``model`` at all right now (not patched, declined by ``patch``, or switched to another
+    attention implementation after it), or ``None``."""
+    state = model.__dict__.get("_relay_state")
+    if state is None:
+        return "the model is not patched (relay_hf.patch)"
+    if state.declined is not None:
+        return state.declined
+    name = attn_implementation(model.config)
+    if name != ATTN_NAME:
+        return f"the model's attention implementation was set to {name!r} after relay_hf.patch"
+    return None
+
+
+def relay_pays(rows: int, prefix_length: int, device: torch.device, min_prefix_length: int,
+               captured_loop: bool = False) -> str | None:
+    """``None`` when relay should serve this batch, else the reason it should not.
+
+    A single row has nothing to share, except on relay_hf's captured loop (``captured_loop``, CUDA only), where the
+    loop, not the kernel, decides: transformers' static loop is host-bound while the captured step replays back to
+    back (one row 5.3-5.6 ms vs stock static 7.5-10.8 ms a step; docs/performance.md)."""
+    captured_loop = captured_loop and device.type == "cuda"
+    if rows < 2 and not captured_loop:
+        return "a single row has nothing to share"
+    if prefix_length < max(1, min_prefix_length):
+        return f"common prefix of {prefix_length} tokens is below min_prefix_length={max(1, min_prefix_length)}"
+    if device.type == "cuda" and not captured_loop and rows * prefix_length < CUDA_MIN_SHARED_TOKENS:
+        return (f"{rows} rows x {prefix_length} prefix tokens < {CUDA_MIN_SHARED_TOKENS}: SDPA is faster on this "
+                "GPU (relay_hf.policy)")
+    return None
+
+
+def _generate_params(model) -> set[str]:
+    sig = inspect.signature(type(model).generate)
+    return {n for n, p in sig.parameters.items() if p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL)}
+
+
+def resolve(model, call: dict) -> GenerationConfig:
+    """The generation config stock ``generate`` would run this call with (one resolution per call)."""
+    params = _generate_params(model)
+    kwargs = {k: v for k, v in call.items() if k not in params}
+    return resolve_generation_config(model, call.get("generation_config"), kwargs)[0]
+
+
+def new_tokens(model, call: dict, gen: GenerationConfig, T: int) -> int:
+    """How many tokens stock ``generate`` makes at most for ``T`` prompt columns (its ``_prepare_generated_length``):
+    ``max_new_tokens``, else ``max_length - T``, where an unset ``max_length`` means 20 new tokens capped at the
+    model's ``max_position_embeddings``."""
+    if gen.max_new_tokens is not None:
+        return gen.max_new_tokens
+    passed = call.get("generation_config")
+    default = (call.get("max_length") is None and (passed is None or passed.max_length is None)
+               and model.generation_config.max_length is None)
+    if default:
+        max_length = gen.max_length + T
+        max_pos = getattr(model.config, "max_position_embeddings", None)
+        return (min(max_length, max_pos) if max_pos is not None else max_length) - T
+    return gen.max_length - T
+
+
+def loop_reason(model, gen: GenerationConfig, call: dict, n_new: int) -> str | None:
+    """Why this static-cache call cannot run on relay_hf's decode loop (then transformers' loop runs it), or
+    ``None``."""
+    for key, neutral in _LOOP_NEUTRAL.items():
+        if getattr(gen, key, None) not in neutral:
+            return f"{key}={getattr(gen, key)!r}"
+    for key in ("logits_processor", "stopping_criteria", "synced_gpus"):
+        if call.get(key):
+            return f"`{key}` given"
+    extra = sorted(k for k, v in call.items() if v is not None and k not in _LOOP_ARGS and not hasattr(gen, k))
+    if extra:
+        return f"model kwargs {extra}"
+    if n_new < 1:
+        return "no new tokens"
+    if getattr(model, "hf_quantizer", None) is not None and not model.hf_quantizer.is_compileable:
+        return "a quantizer that cannot compile"
+    if len(set(getattr(model, "hf_device_map", {"": 0}).values())) > 1:
+        return "a model spread over several devices"
+    return None
+
+
+def compile_config(model, gen: GenerationConfig) -> CompileConfig | None:
+    """The ``CompileConfig`` transformers would compile the decode step with, or ``None`` where it would not."""
+    if gen.disable_compile:
+        return None
+    config = gen.compile_config or CompileConfig()
+    return config if model.device.type == "cuda" or compile_all_devices(config) else None
+
+
+def check_cache(model, cache: RelayCache, ids: torch.Tensor, n_pad: torch.Tensor) -> None:
+    """Raise ``ValueError`` naming what makes ``cache`` unusable for these rows on this model."""
+    if cache.prefix_length == 0 or cache.prefix_ids is None:
+        raise ValueError("RelayCache holds no prefix; build it with RelayCache.from_prefix(model, prefix_ids)")
+    if cache.config is not model.config:
+        raise ValueError("RelayCache was built for another model (its config is not this model's): build one with "
+                         "RelayCache.from_prefix(model, prefix_ids) for this model")
+    text = model.config.get_text_config(decoder=True)
+    if len(cache.layers) != text.num_hidden_layers:
+        raise ValueError(f"RelayCache has {len(cache.layers)} layers, the model has {text.num_hidden_layers}")
+    k = cache.layers[0].prefix_keys
+    if k.dtype != model.dtype:
+        raise ValueError(f"RelayCache prefix dtype is {k.dtype} but the model runs in {model.dtype}")
+    if k.device != model.device:
+        raise ValueError(f"RelayCache prefix is on {k.device} but the model is on {model.device}")
+    bad = first_mismatch(ids, n_pad, cache.prefix_ids)
+    if bad is not None:
+        row, pos = bad
+        what = "has no token after it" if pos >= cache.prefix_length else f"differs at prefix position {pos}"
+        raise ValueError(f"RelayCache prefix ({cache.prefix_length} tokens) does not match the input: row {row} {what}")
+
+
+def _sliding_window(config) -> int | None:
+    text = config.get_text_config(decoder=True)
+    layer_types = getattr(text, "layer_types", None)
+    if layer_types is not None and "sliding_attention" not in layer_types:
+        return None
+    return getattr(text, "sliding_window", None)
+
+
+def user_cache(call: dict):
+    return next((call[n] for n in CACHE_NAMES if call.get(n) is not None), None)
+
+
+def decide(model, call: dict) -> Plan:
+    """The plan for one patched ``generate`` call (``call``: its arguments by name). Raises ``ValueError`` for input
+    stock would accept but that cannot be right (a ``RelayCache`` that does not fit the model or the rows)."""
+    try:
+        return _decide(model, call)
+    except _Stock as why:
+        return Plan(False, str(why), expected=why.expected)
+
+
+def _decide(model, call: dict) -> Plan:
+    why = model_reason(model)
+    if why is not None:
+        raise _Stock(why, expected=True)
+    cache = user_cache(call)
+    if cache is not None and not isinstance(cache, RelayCache):
+        raise _Stock(f"a {type(cache).__name__} was passed as the cache", expected=True)
+    ids = call.get("inputs", call.get("input_ids"))
+    if not isinstance(ids, torch.Tensor) or ids.dim() != 2 or ids.dtype.is_floating_point or ids.shape[1] == 0:
+        raise _Stock("relay needs 2D integer input_ids", expected=True)
+    for key in _STOCK_KWARGS:
+        if call.get(key) is not None:
+            raise _Stock(f"`{key}` is not supported by the relay path")
+    gen = resolve(model, call)
+    for key, off in _STOCK_FIELDS.items():
+        if getattr(gen, key, None) not in off:
+            raise _Stock(f"`{key}` depends on the prompt's token order or positions; relay_hf runs it on stock "
+                         "generate")
+    if gen.stop_strings is not None and call.get("tokenizer") is None:
+        raise _Stock("`stop_strings` without a tokenizer", expected=True)  # stock raises its own error
+    if gen.use_cache is False:
+        raise _Stock("use_cache=False")
+    if gen.cache_implementation not in (None, "static"):
+        raise _Stock(f"cache_implementation={gen.cache_implementation!r} is not supported by the relay path")
+    beams = max(gen.num_beams or 1, gen.num_return_sequences or 1)
+    # the transformers way to ask for a compiled decode (static cache / compile_config) gets a static RelayCache
+    static = (gen.cache_implementation == "static" or gen.compile_config is not None) and (gen.num_beams or 1) == 1
+    mask = call.get("attention_mask")
+    if mask is None:
+        if gen.pad_token_id is not None and bool((ids == gen.pad_token_id).any()):
+            raise _Stock("no attention_mask for a batch that contains pad tokens")
+        mask = torch.ones_like(ids)
+    if not isinstance(mask, torch.Tensor) or mask.shape != ids.shape:
+        raise _Stock("a custom attention_mask (not a [B, T] padding mask)")
+    n_pad = left_padding(mask)
+    if n_pad is None:
+        raise _Stock("rows are not left-padded")
+    B, T = ids.shape
+    rows = B * beams
+    n_new = new_tokens(model, call, gen, T)
+    if n_new < 1:
+        raise _Stock("no new tokens to generate", expected=True)
+    loop_why = loop_reason(model, gen, call, n_new) if static else ""
+    fast = static and loop_why is None
+    compiled = compile_config(model, gen) if fast else None
+    captured = compiled is not None  # relay_hf's loop compiled (and on CUDA captured as a graph)
+    if cache is not None:
+        check_cache(model, cache, ids, n_pad)
+        P = cache.prefix_length
+    else:
+        P = common_prefix_length(ids, n_pad) if rows > 1 or captured else 0
+        why = relay_pays(rows, P, model.device, model._relay_state.min_prefix_length, captured_loop=captured)
+        if why:
+            raise _Stock(why, expected=True)
+    max_pos = getattr(model.config.get_text_config(decoder=True), "max_position_embeddings", None)
+    if max_pos is not None and P > max_pos:
+        raise _Stock(f"shared prefix of {P} tokens is longer than max_position_embeddings ({max_pos})", expected=True)
+    window = _sliding_window(model.config)
+    if window is not None and T + n_new > window:
+        raise _Stock(f"sequence length {T + n_new} exceeds the sliding window {window}: the window would drop "
+                     "prefix tokens")
+    return Plan(True, "relay", rows=rows, prefix_length=P, static=static, fast_decode=fast,
+                loop_reason="relay_hf decode loop" if fast else loop_why, new_tokens=n_new,
+                ids=ids, mask=mask, n_pad=n_pad, user_cache=cache, gen=gen, compile_config=compiled)

@@ -263,6 +263,10 @@ def _decide(model, call: dict) -> Plan:
     for key in _STOCK_KWARGS:
         if call.get(key) is not None:
             raise _Stock(f"`{key}` is not supported by the relay path")
+    for key in ("logits_processor", "stopping_criteria"):
+        builtin = [type(p).__name__ for p in call.get(key) or () if type(p).__module__.startswith("transformers.")]
+        if builtin:  # generate replaces its own processor of the same type by the user's, in place
+            raise _Stock(f"`{key}` holds transformers' own {builtin[0]}, which generate merges with its own by type")
     gen = resolve(model, call)
     for key, off in _STOCK_FIELDS.items():
         if getattr(gen, key, None) not in off:

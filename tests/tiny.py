@@ -21,9 +21,9 @@ VOCAB = 256
 def tiny_model(arch: str, seed: int = 0, **overrides):
     cls_name, kw = ARCHS[arch]
     heads = overrides.get("num_attention_heads", kw["num_attention_heads"])
-    kw = dict(kw, vocab_size=VOCAB, hidden_size=16 * heads, intermediate_size=64, num_hidden_layers=2,
-              max_position_embeddings=1024, pad_token_id=0, bos_token_id=1, eos_token_id=2,
-              attn_implementation="sdpa", **overrides)
+    kw = {**dict(vocab_size=VOCAB, hidden_size=16 * heads, intermediate_size=64, num_hidden_layers=2,
+                 max_position_embeddings=1024, pad_token_id=0, bos_token_id=1, eos_token_id=2,
+                 attn_implementation="sdpa"), **kw, **overrides}
     if arch in ("llama", "mistral", "qwen3"):
         kw["head_dim"] = 16
     config = getattr(transformers, cls_name)(**kw)

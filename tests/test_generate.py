@@ -1,0 +1,357 @@
+"""The patched generate never answers differently from stock: fallbacks with a user's RelayCache, processors that read
+ids, declined models, concurrent calls, the registered name without patch, foreign caches, config resolution,
+pickling and the other edges of the reliability list."""
+
+import io
+import pickle
+import threading
+
+import pytest
+import torch
+from transformers import GenerationConfig
+
+import relay_hf
+from relay_hf import RelayCache
+from tests.tiny import VOCAB, shared_prefix_batch, tiny_model
+
+
+def _cache_state(cache: RelayCache):
+    lay = cache.layers[0]
+    return lay.suffix_length, lay.prefix_keys.clone(), cache.prefix_length
+
+
+def _stock(model, ids, mask, seed=0, **gen):
+    relay_hf.unpatch(model)
+    torch.manual_seed(seed)
+    return model.generate(ids, attention_mask=mask, **gen)
+
+
+def _relay(model, ids, mask, seed=0, **gen):
+    relay_hf.patch(model, min_prefix_length=8)
+    torch.manual_seed(seed)
+    return model.generate(ids, attention_mask=mask, **gen)
+
+
+def _seq(out):
+    return out if isinstance(out, torch.Tensor) else out.sequences
+
+
+@pytest.mark.parametrize("feature", [dict(no_repeat_ngram_size=2), dict(bad_words_ids=[[5, 6]]),
+                                     dict(sequence_bias={(7,): -2.0}), dict(use_cache=False),
+                                     dict(repetition_penalty=1.5)])
+def test_a_fallback_never_sees_the_users_relay_cache(feature):
+    model = tiny_model("llama")
+    ids, mask, prefix = shared_prefix_batch(seed=21)
+    stock = _stock(model, ids, mask, max_new_tokens=6, do_sample=False, **feature)
+    relay_hf.patch(model, min_prefix_length=8)
+    cache = RelayCache.from_prefix(model, prefix)
+    before = _cache_state(cache)
+    for _ in range(2):  # and the cache stays usable
+        out = model.generate(ids, attention_mask=mask, max_new_tokens=6, do_sample=False, past_key_values=cache,
+                             **feature)
+        assert not model.relay_last_decision.used
+        assert torch.equal(_seq(out), stock)
+    after = _cache_state(cache)
+    assert after[0] == before[0] == 0 and torch.equal(after[1], before[1]) and after[2] == before[2]
+    relay = model.generate(ids, attention_mask=mask, max_new_tokens=6, do_sample=False, past_key_values=cache)
+    assert model.relay_last_decision.used and relay.shape[0] == ids.shape[0]
+
+
+def test_repetition_penalty_scores_equal_stock():
+    """transformers >= 5.24 skips each row's leading pads when penalising; the relay layout moves them, so the call
+    runs stock (and its scores are stock's)."""
+    model = tiny_model("qwen2")
+    ids, mask, _ = shared_prefix_batch(seed=22)
+    kw = dict(max_new_tokens=5, do_sample=False, repetition_penalty=1.7, output_scores=True,
+              return_dict_in_generate=True)
+    stock, relay = _stock(model, ids, mask, **kw), _relay(model, ids, mask, **kw)
+    assert "repetition_penalty" in model.relay_last_decision.reason
+    assert torch.equal(stock.sequences, relay.sequences)
+    assert all(torch.equal(a, b) for a, b in zip(stock.scores, relay.scores, strict=True))
+
+
+def test_a_declined_model_given_a_relay_cache_runs_stock_and_keeps_its_attention():
+    from transformers import Gemma2Config, Gemma2ForCausalLM
+
+    config = Gemma2Config(vocab_size=VOCAB, hidden_size=64, intermediate_size=64, num_hidden_layers=2,
+                          num_attention_heads=4, num_key_value_heads=2, head_dim=16, pad_token_id=0,
+                          attn_implementation="eager")
+    torch.manual_seed(0)
+    model = Gemma2ForCausalLM(config).eval()
+    ids, mask, prefix = shared_prefix_batch(seed=23)
+    stock = model.generate(ids, attention_mask=mask, max_new_tokens=4, do_sample=False)
+    with pytest.warns(relay_hf.RelayFallbackWarning, match="softcapping"):
+        relay_hf.patch(model)
+    cache = RelayCache.from_prefix(model, prefix)
+    out = model.generate(ids, attention_mask=mask, max_new_tokens=4, do_sample=False, past_key_values=cache)
+    assert torch.equal(out, stock) and model.config._attn_implementation == "eager"
+    assert torch.equal(model.generate(ids, attention_mask=mask, max_new_tokens=4, do_sample=False), stock)
+
+
+@pytest.mark.parametrize("static", [False, True])
+def test_concurrent_calls_equal_stock(static):
+    """Threads share one patched model: relay calls (dynamic or static cache) and fallbacks interleave; every answer
+    is the stock one."""
+    model = tiny_model("llama")
+    batches = [shared_prefix_batch(seed=s, suffix_lens=lens)[:2] for s, lens in ((31, (3, 9, 1, 6)), (32, (2, 5)))]
+    extra = dict(cache_implementation="static") if static else {}
+    calls = [(b, f) for b in range(2) for f in ({}, dict(no_repeat_ngram_size=3))]
+    expected = {(b, tuple(f)): model.generate(batches[b][0], attention_mask=batches[b][1], max_new_tokens=6,
+                                              do_sample=False, **extra, **f) for b, f in calls}
+    relay_hf.patch(model, min_prefix_length=8)
+    errors, wrong = [], []
+
+    def work(worker):
+        try:
+            for i in range(6):
+                b, f = calls[(worker + i) % len(calls)]
+                ids, mask = batches[b]
+                out = model.generate(ids, attention_mask=mask, max_new_tokens=6, do_sample=False, **extra, **f)
+                if not torch.equal(out, expected[(b, tuple(f))]):
+                    wrong.append((worker, i))
+        except Exception as err:  # noqa: BLE001 - reported below
+            errors.append(repr(err))
+
+    threads = [threading.Thread(target=work, args=(w,)) for w in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors and not wrong
+    assert model.config._attn_implementation == "relay"
+
+
+def test_registered_name_without_patch_is_exact_or_refuses():
+    model = tiny_model("llama")
+    ids, mask, prefix = shared_prefix_batch(seed=24, suffix_lens=(4, 4, 4))  # equal lengths: no padding
+    stock = model.generate(ids, attention_mask=mask, max_new_tokens=5, do_sample=False)
+    padded_ids, padded_mask, padded_prefix = shared_prefix_batch(seed=24)
+    padded_stock = model.generate(padded_ids, attention_mask=padded_mask, max_new_tokens=5, do_sample=False)
+    model.set_attn_implementation("relay")
+    try:
+        out = model.generate(ids, attention_mask=mask, max_new_tokens=5, do_sample=False,
+                             past_key_values=RelayCache.from_prefix(model, prefix))
+        assert torch.equal(out, stock)
+        with pytest.raises(ValueError, match="padded in front"):
+            model.generate(padded_ids, attention_mask=padded_mask, max_new_tokens=5, do_sample=False,
+                           past_key_values=RelayCache.from_prefix(model, padded_prefix))
+        assert torch.equal(model.generate(padded_ids, attention_mask=padded_mask, max_new_tokens=5,
+                                          do_sample=False), padded_stock)  # no RelayCache: the model's own attention
+    finally:
+        model.set_attn_implementation("sdpa")
+
+
+def test_a_cache_built_on_another_model_is_refused():
+    a, b = relay_hf.patch(tiny_model("llama", seed=0)), relay_hf.patch(tiny_model("llama", seed=1))
+    ids, mask, prefix = shared_prefix_batch(seed=25)
+    with pytest.raises(ValueError, match="another model"):
+        b.generate(ids, attention_mask=mask, max_new_tokens=2, past_key_values=RelayCache.from_prefix(a, prefix))
+    assert "another model" in b.relay_last_decision.reason and not b.relay_last_decision.used
+
+
+@pytest.mark.parametrize("how", ["nothing", "bare_config", "model_sampling_defaults", "max_length"])
+def test_generation_config_is_resolved_as_stock_resolves_it(how):
+    model = tiny_model("qwen3")
+    ids, mask, _ = shared_prefix_batch(seed=26)
+    kw = {}
+    if how == "bare_config":
+        kw = dict(generation_config=GenerationConfig(do_sample=False))
+    elif how == "model_sampling_defaults":
+        model.generation_config.do_sample, model.generation_config.top_k = True, 7
+    elif how == "max_length":
+        kw = dict(max_length=ids.shape[1] + 3)
+    stock, relay = _stock(model, ids, mask, seed=4, **kw), _relay(model, ids, mask, seed=4, **kw)
+    assert model.relay_last_decision.used
+    assert torch.equal(stock, relay)
+    if how in ("nothing", "bare_config"):
+        assert relay.shape[1] == ids.shape[1] + 20  # stock's default: 20 new tokens
+
+
+def test_a_pickled_or_saved_patched_model_comes_back_patched():
+    model = relay_hf.patch(tiny_model("phi3"), min_prefix_length=8)
+    ids, mask, _ = shared_prefix_batch(seed=27)
+    out = model.generate(ids, attention_mask=mask, max_new_tokens=4, do_sample=False)
+    buffer = io.BytesIO()
+    torch.save(model, buffer)
+    buffer.seek(0)
+    for twin in (pickle.loads(pickle.dumps(model)), torch.load(buffer, weights_only=False)):
+        assert relay_hf.is_patched(twin) and twin.generate.__self__ is twin
+        assert torch.equal(twin.generate(ids, attention_mask=mask, max_new_tokens=4, do_sample=False), out)
+        assert twin.relay_last_decision.used
+
+
+def test_edges_of_the_prefix_and_the_decision():
+    model = relay_hf.patch(tiny_model("llama"), min_prefix_length=0)
+    g = torch.Generator().manual_seed(3)
+    ids = torch.randint(3, VOCAB, (3, 6), generator=g)
+    ids[:, 0] = torch.tensor([5, 6, 7])  # no common prefix at all
+    out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=3, do_sample=False)
+    assert out.shape == (3, 9) and "common prefix of 0 tokens" in model.relay_last_decision.reason
+    with pytest.raises(ValueError):
+        model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=3,
+                       past_key_values=RelayCache(model.config))
+    assert model.relay_last_decision.reason.startswith("invalid input")
+    with pytest.raises(ValueError, match="min_prefix_length"):
+        relay_hf.patch(tiny_model("llama"), min_prefix_length=-1)
+
+
+def test_a_prefix_beyond_max_position_embeddings_runs_stock():
+    model = tiny_model("llama", max_position_embeddings=48)
+    ids, mask, _ = shared_prefix_batch(prefix_len=50, suffix_lens=(2, 3))
+    stock = model.generate(ids, attention_mask=mask, max_new_tokens=3, do_sample=False)
+    relay_hf.patch(model, min_prefix_length=8)
+    out = model.generate(ids, attention_mask=mask, max_new_tokens=3, do_sample=False)
+    assert torch.equal(out, stock) and "max_position_embeddings" in model.relay_last_decision.reason
+
+
+def test_an_attention_implementation_set_after_patch_is_respected():
+    model = tiny_model("llama")
+    ids, mask, _ = shared_prefix_batch(seed=28)
+    relay_hf.patch(model, min_prefix_length=8)
+    model.set_attn_implementation("eager")
+    out = model.generate(ids, attention_mask=mask, max_new_tokens=4, do_sample=False)
+    assert model.config._attn_implementation == "eager" and "eager" in model.relay_last_decision.reason
+    relay_hf.unpatch(model)
+    assert model.config._attn_implementation == "eager"
+    assert torch.equal(out, model.generate(ids, attention_mask=mask, max_new_tokens=4, do_sample=False))
+
+
+# -- every built-in logits processor and stopping criterion --------------------------------------------------------
+def _processor_factories(T: int, B: int):
+    """name -> a way to build each built-in processor for a tiny model (vocab VOCAB, eos 2, prompt length T)."""
+    import transformers.generation.logits_process as lp
+
+    enc = torch.randint(3, VOCAB, (B, T), generator=torch.Generator().manual_seed(5))
+    return {
+        "AlternatingCodebooksLogitsProcessor": lambda: lp.AlternatingCodebooksLogitsProcessor(T, 100, 64),
+        "BarkEosPrioritizerLogitsProcessor": lambda: lp.BarkEosPrioritizerLogitsProcessor(2, 0.01),
+        "ClassifierFreeGuidanceLogitsProcessor": None,  # needs the batch doubled with unconditional rows
+        "DiaClassifierFreeGuidanceLogitsProcessor": None,  # Dia's doubled-batch audio layout
+        "DiaEOSChannelFilterLogitsProcessor": None,  # Dia's channel-interleaved audio vocabulary
+        "DiaEOSDelayPatternLogitsProcessor": None,  # Dia's channel-interleaved audio vocabulary
+        "EncoderNoRepeatNGramLogitsProcessor": lambda: lp.EncoderNoRepeatNGramLogitsProcessor(2, enc),
+        "EncoderRepetitionPenaltyLogitsProcessor": lambda: lp.EncoderRepetitionPenaltyLogitsProcessor(1.4, enc),
+        "EpsilonLogitsWarper": lambda: lp.EpsilonLogitsWarper(0.01),
+        "EtaLogitsWarper": lambda: lp.EtaLogitsWarper(0.01),
+        "ExponentialDecayLengthPenalty": lambda: lp.ExponentialDecayLengthPenalty((2, 1.5), 2, T),
+        "ForcedBOSTokenLogitsProcessor": lambda: lp.ForcedBOSTokenLogitsProcessor(1),
+        "ForcedEOSTokenLogitsProcessor": lambda: lp.ForcedEOSTokenLogitsProcessor(T + 4, 2),
+        "InfNanRemoveLogitsProcessor": lambda: lp.InfNanRemoveLogitsProcessor(),
+        "LogitNormalization": lambda: lp.LogitNormalization(),
+        "MinLengthLogitsProcessor": lambda: lp.MinLengthLogitsProcessor(T + 3, 2),
+        "MinNewTokensLengthLogitsProcessor": lambda: lp.MinNewTokensLengthLogitsProcessor(T, 3, 2),
+        "MinPLogitsWarper": lambda: lp.MinPLogitsWarper(0.05),
+        "NoBadWordsLogitsProcessor": lambda: lp.NoBadWordsLogitsProcessor([[5], [9, 11]], 2),
+        "NoRepeatNGramLogitsProcessor": lambda: lp.NoRepeatNGramLogitsProcessor(2),
+        "PrefixConstrainedLogitsProcessor": lambda: lp.PrefixConstrainedLogitsProcessor(
+            lambda b, ids: [int(ids[-1]) % 50 + 3, int(ids[0]) % 50 + 60], 1),
+        "RepetitionPenaltyLogitsProcessor": lambda: lp.RepetitionPenaltyLogitsProcessor(1.8),
+        "SequenceBiasLogitsProcessor": lambda: lp.SequenceBiasLogitsProcessor([[[7], 3.0], [[9, 11], -4.0]]),
+        "SuppressTokensAtBeginLogitsProcessor": lambda: lp.SuppressTokensAtBeginLogitsProcessor([5, 6], T),
+        "SuppressTokensLogitsProcessor": lambda: lp.SuppressTokensLogitsProcessor([5, 6]),
+        "SynthIDTextWatermarkLogitsProcessor": lambda: lp.SynthIDTextWatermarkLogitsProcessor(
+            3, [11, 23, 37], 64, 7, 16, torch.device("cpu")),
+        "TemperatureLogitsWarper": lambda: lp.TemperatureLogitsWarper(0.7),
+        "TopHLogitsWarper": lambda: lp.TopHLogitsWarper(0.5),
+        "TopKLogitsWarper": lambda: lp.TopKLogitsWarper(5),
+        "TopPLogitsWarper": lambda: lp.TopPLogitsWarper(0.8),
+        "TypicalLogitsWarper": lambda: lp.TypicalLogitsWarper(0.9),
+        "UnbatchedClassifierFreeGuidanceLogitsProcessor": "model",
+        "WatermarkLogitsProcessor": lambda: lp.WatermarkLogitsProcessor(VOCAB, "cpu", context_width=4),
+        "WhisperNoSpeechDetection": None,  # reads Whisper's no-speech token at the decoder's start
+        "WhisperTimeStampLogitsProcessor": None,  # needs Whisper's timestamp generation config
+    }
+
+
+def _builtin(module, base) -> list[str]:
+    import inspect
+
+    return sorted(n for n, c in vars(module).items() if inspect.isclass(c) and issubclass(c, base) and c is not base
+                  and c.__module__ == module.__name__)
+
+
+def test_every_builtin_logits_processor_given_by_the_user_sees_what_stock_shows_it():
+    import transformers.generation.logits_process as lp
+
+    model = tiny_model("llama")
+    ids, mask, _ = shared_prefix_batch(seed=29)
+    table = _processor_factories(ids.shape[1], ids.shape[0])
+    assert _builtin(lp, lp.LogitsProcessor) == sorted(table), "a processor class without a case here"
+    for name, make in table.items():
+        if make is None:
+            continue
+
+        def build(make=make, own=False, name=name):
+            p = lp.UnbatchedClassifierFreeGuidanceLogitsProcessor(1.5, model) if make == "model" else make()
+            if own:  # the same processor as a user's own class: relay serves it, showing it the stock layout
+                p.__class__ = type("User" + name, (type(p),), {"__module__": __name__})
+            return [p]
+
+        kw = dict(max_new_tokens=5, do_sample=False, output_scores=True, return_dict_in_generate=True)
+        for own in (False, True):
+            stock = _stock(model, ids, mask, logits_processor=build(own=own), **kw)
+            relay = _relay(model, ids, mask, logits_processor=build(own=own), **kw)
+            assert model.relay_last_decision.used == own, (name, model.relay_last_decision.reason)
+            assert torch.equal(stock.sequences, relay.sequences), name
+            for a, b in zip(stock.scores, relay.scores, strict=True):
+                assert torch.allclose(a, b, atol=1e-5, rtol=1e-5, equal_nan=True), name
+
+
+def test_every_builtin_stopping_criterion_sees_what_stock_shows_it(smollm2):
+    import transformers.generation.stopping_criteria as sc
+
+    model = tiny_model("mistral")
+    ids, mask, _ = shared_prefix_batch(seed=30, suffix_lens=(1, 6, 2))
+    tokenizer = smollm2[1]
+    probe = _stock(model, ids, mask, max_new_tokens=6, do_sample=False)
+    word = tokenizer.convert_ids_to_tokens(int(probe[1, ids.shape[1] + 2]))
+    last_prompt = tokenizer.convert_ids_to_tokens(int(ids[0, -1]))
+    table = {
+        "ConfidenceCriteria": None,  # reads an assistant model's confidence (speculative decoding)
+        "EosTokenCriteria": lambda: sc.EosTokenCriteria(int(probe[0, ids.shape[1] + 1])),
+        "MaxLengthCriteria": lambda: sc.MaxLengthCriteria(ids.shape[1] + 3),
+        "MaxTimeCriteria": lambda: sc.MaxTimeCriteria(60.0),
+        # one stop string inside the generated tokens, one that spans the end of row 0's prompt (a 1-token suffix)
+        "StopStringCriteria": lambda: sc.StopStringCriteria(tokenizer, [word, last_prompt + "w7"]),
+    }
+    assert _builtin(sc, sc.StoppingCriteria) == sorted(table), "a criterion class without a case here"
+    for name, make in table.items():
+        if make is None:
+            continue
+        for own in (False, True):
+            def build(make=make, own=own, name=name):
+                c = make()
+                if own:  # the same criterion as a user's own class: relay serves it on the stock view
+                    c.__class__ = type("User" + name, (type(c),), {"__module__": __name__})
+                return [c]
+
+            stock = _stock(model, ids, mask, max_new_tokens=6, do_sample=False, stopping_criteria=build())
+            relay = _relay(model, ids, mask, max_new_tokens=6, do_sample=False, stopping_criteria=build())
+            assert model.relay_last_decision.used == own and torch.equal(stock, relay), name
+    for stop in ([word], [last_prompt + "w7"]):  # the same through generation_config.stop_strings
+        stock = _stock(model, ids, mask, max_new_tokens=6, do_sample=False, stop_strings=stop, tokenizer=tokenizer)
+        relay = _relay(model, ids, mask, max_new_tokens=6, do_sample=False, stop_strings=stop, tokenizer=tokenizer)
+        assert model.relay_last_decision.used and torch.equal(stock, relay)
+
+
+@pytest.mark.parametrize("fields", [
+    dict(repetition_penalty=1.6), dict(encoder_repetition_penalty=1.4), dict(no_repeat_ngram_size=2),
+    dict(encoder_no_repeat_ngram_size=2), dict(bad_words_ids=[[5], [9, 11]]), dict(sequence_bias={(7,): 3.0}),
+    dict(min_length=30), dict(min_new_tokens=3), dict(forced_bos_token_id=1), dict(forced_eos_token_id=2),
+    dict(exponential_decay_length_penalty=(2, 1.5)), dict(suppress_tokens=[5, 6]), dict(begin_suppress_tokens=[5]),
+    dict(renormalize_logits=True), dict(remove_invalid_values=True), dict(max_time=60.0),
+    dict(do_sample=True, temperature=0.7, top_k=20, top_p=0.9), dict(do_sample=True, min_p=0.05),
+    dict(do_sample=True, typical_p=0.9), dict(do_sample=True, epsilon_cutoff=0.01), dict(do_sample=True,
+                                                                                         eta_cutoff=0.01),
+    dict(watermarking_config=dict(greenlist_ratio=0.3)), dict(guidance_scale=1.5),
+], ids=lambda f: ",".join(f))
+def test_every_generation_config_processor_equals_stock(fields):
+    model = tiny_model("qwen2")
+    ids, mask, _ = shared_prefix_batch(seed=33)
+    kw = dict(max_new_tokens=5, output_scores=True, return_dict_in_generate=True, **fields)
+    stock, relay = _stock(model, ids, mask, seed=9, **kw), _relay(model, ids, mask, seed=9, **kw)
+    decision = model.relay_last_decision
+    assert decision.used or decision.reason
+    assert torch.equal(stock.sequences, relay.sequences)
+    for a, b in zip(stock.scores, relay.scores, strict=True):
+        assert torch.allclose(a, b, atol=1e-5, rtol=1e-5, equal_nan=True)

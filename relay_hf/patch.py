@@ -14,6 +14,7 @@ from . import attention
 from ._compat import attn_implementation, can_set_attn_implementation
 from .cache import ATTN_NAME
 from .generate import RelayFallbackWarning, RelayGenerate
+from .probe import probe_reason
 from .state import RelayState
 
 DEFAULT_MIN_PREFIX_LENGTH = 32
@@ -71,14 +72,6 @@ def _switch_back(model, original: str) -> None:
         attention.set_stock_implementation(config, None)
 
 
-def _probe(model) -> str | None:
-    try:
-        from .probe import probe_reason
-    except ImportError:
-        return None
-    return probe_reason(model)
-
-
 def patch(model, *, min_prefix_length: int = DEFAULT_MIN_PREFIX_LENGTH):
     """Make batched ``model.generate`` use relay attention whenever its rows share a token prefix.
 
@@ -100,7 +93,7 @@ def patch(model, *, min_prefix_length: int = DEFAULT_MIN_PREFIX_LENGTH):
     if reason is None:
         _switch_to_relay(model)
         try:
-            reason = _probe(model)
+            reason = probe_reason(model)
         except BaseException:
             _switch_back(model, original)
             raise

@@ -13,6 +13,10 @@ from tests.tiny import ARCHS, shared_prefix_batch, tiny_model
 STATIC = dict(cache_implementation="static", do_sample=False)
 
 
+class _UserTopK(TopKLogitsWarper):
+    """A user's own processor class (transformers' built-ins given by the user run stock generate)."""
+
+
 def _stock_then_relay(model, ids, mask, **gen):
     relay_hf.unpatch(model)
     stock = model.generate(ids, attention_mask=mask, do_sample=False, **gen)
@@ -79,7 +83,7 @@ def test_streamer_gets_what_stock_streams():
 @pytest.mark.parametrize("gen, reason", [
     (dict(return_dict_in_generate=True, output_logits=True), "return_dict_in_generate"),
     (dict(suppress_tokens=[5, 6]), "suppress_tokens"),
-    (dict(logits_processor=LogitsProcessorList([TopKLogitsWarper(5)])), "logits_processor"),
+    (dict(logits_processor=LogitsProcessorList([_UserTopK(5)])), "logits_processor"),
 ])
 def test_calls_the_loop_cannot_reproduce_run_on_transformers_loop(gen, reason):
     model = tiny_model("llama")

@@ -79,6 +79,7 @@ def test_relay_kernel_is_what_runs(monkeypatch):
 
     monkeypatch.setattr(seam, "relay_attention", spy)
     model = relay_hf.patch(tiny_model("llama"), min_prefix_length=8)
+    seen.clear()  # patch's probe forward ran relay too
     ids, mask, _ = shared_prefix_batch()
     model.generate(ids, attention_mask=mask, max_new_tokens=3, do_sample=False)
     # 2 layers x (suffix prefill + 2 decode steps), batch 4 against a batch-1 prefix of 40 tokens

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 import relay_hf
-import relay_hf.dispatch
+import relay_hf.policy
 from relay_hf._compat import output_cache
 
 QUESTIONS = [
@@ -51,7 +51,7 @@ def test_patched_batch_equals_stock_per_row(smollm2, system_prompt):
 @pytest.fixture
 def relay_on_small_batches(monkeypatch):
     """These batches (6 rows x ~830 tokens) are below the CUDA dispatch threshold: make relay serve them anyway."""
-    monkeypatch.setattr(relay_hf.dispatch, "CUDA_MIN_SHARED_TOKENS", 0)
+    monkeypatch.setattr(relay_hf.policy, "CUDA_MIN_SHARED_TOKENS", 0)
 
 
 @pytest.mark.gpu
@@ -100,7 +100,7 @@ def check_parity(model, tokenizer, system_prompt):
 @pytest.mark.gpu
 def test_one_row_with_static_cache_runs_relay_loop_and_equals_stock_on_gpu(smollm2, system_prompt):
     """One row asking for a static cache runs relay_hf's captured loop (its prompt but the last token as the
-    "prefix"; relay_hf.dispatch), fp32 token-identical to stock; without a static cache one row stays stock."""
+    "prefix"; relay_hf.policy), fp32 token-identical to stock; without a static cache one row stays stock."""
     model, tokenizer = smollm2
     enc = tokenizer(render(tokenizer, system_prompt, QUESTIONS[3]), return_tensors="pt").to("cuda")
     model.cuda()
@@ -128,29 +128,34 @@ def _chat_batch(tokenizer, system_prompt, device, questions=QUESTIONS):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("separate", [False, True], ids=["kernel layout by rule", "separate launches with PDL"])
-def test_compiled_relay_equals_eager_relay_on_gpu(smollm2, system_prompt, relay_on_small_batches, separate,
-                                                   monkeypatch):
+def test_compiled_relay_equals_eager_relay_on_gpu(smollm2, system_prompt, relay_on_small_batches, separate):
     """fp32, static RelayCache: relay_hf's decode loop (step compiled by inductor, captured as one CUDA graph) and
     transformers' compiled loop (inductor + CUDA graphs; asked for through ``return_dict_in_generate``) both give the
-    eager relay path's tokens. 6 rows x 3 query heads per KV head are below ``SEPARATE_ROWS``; the second case forces
-    the separate prefix/suffix launches (the suffix launch programmatically dependent on the prefix launch)."""
+    eager relay path's tokens. 6 rows x 3 query heads per KV head are below ``KernelConfig.separate_rows``; the second
+    case forces the separate prefix/suffix launches (the suffix launch programmatically dependent on the prefix
+    launch)."""
+    import contextlib
+    import dataclasses
+
     from relay_hf.kernels import triton_relay
 
     model, tokenizer = smollm2
+    layout = contextlib.nullcontext()
     if separate:
-        monkeypatch.setattr(triton_relay, "SEPARATE_ROWS", (1, 1 << 30))
+        layout = triton_relay.use_config(dataclasses.replace(triton_relay.DEFAULT_CONFIG, separate_rows=(1, 1 << 30)))
         model.__dict__.pop("_compiled_call", None)  # its CUDA graphs were captured with the other layout
     batch = _chat_batch(tokenizer, system_prompt, "cuda")
     relay_hf.patch(model.cuda())
     try:
-        eager = model.generate(**batch, max_new_tokens=32, do_sample=False)
-        assert not model.relay_last_decision.static
-        graphed = model.generate(**batch, max_new_tokens=32, do_sample=False, cache_implementation="static")
-        assert model.relay_last_decision.fast_decode and model._relay_state.stepper.graph is not None
-        again = model.generate(**batch, max_new_tokens=32, do_sample=False, cache_implementation="static")
-        hf_loop = model.generate(**batch, max_new_tokens=32, do_sample=False, cache_implementation="static",
-                                 return_dict_in_generate=True).sequences
-        assert not model.relay_last_decision.fast_decode and hasattr(model, "_compiled_call")
+        with layout:
+            eager = model.generate(**batch, max_new_tokens=32, do_sample=False)
+            assert not model.relay_last_decision.static
+            graphed = model.generate(**batch, max_new_tokens=32, do_sample=False, cache_implementation="static")
+            assert model.relay_last_decision.fast_decode and model._relay_state.idle_static().stepper.graph is not None
+            again = model.generate(**batch, max_new_tokens=32, do_sample=False, cache_implementation="static")
+            hf_loop = model.generate(**batch, max_new_tokens=32, do_sample=False, cache_implementation="static",
+                                     return_dict_in_generate=True).sequences
+            assert not model.relay_last_decision.fast_decode and hasattr(model, "_compiled_call")
     finally:
         relay_hf.unpatch(model)
         model.cpu()

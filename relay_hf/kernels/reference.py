@@ -13,17 +13,32 @@ Both passes produce ``(out, lse)`` partials; ``merge_partials`` combines them ex
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
-# Bound on the fp32 score matrix a single prefix chunk materialises (elements), so a long prefill on CPU does not
-# allocate B*G*L_q*P floats at once.
-_MAX_SCORE_ELEMENTS = 1 << 26
+# torch's fused flash-attention CPU kernel, which returns the natural-log LSE the merge needs (see ReferenceConfig)
+HAS_CPU_FLASH = hasattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu")
+FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
-# fp32 on CPU: the prefix pass runs torch's fused flash-attention CPU kernel, which returns the natural-log LSE the
-# merge needs. It never materialises the [H_kv, N, P] scores and is ~3x faster than the two GEMMs + softmax below at
-# SmolLM2's decode shape (N = 24 rows, P = 2048: 0.62 vs 1.82 ms a layer on 2 cores). fp64 (the tests' oracle) and
-# other dtypes keep the explicit formula.
-CPU_FUSED_PREFIX = hasattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu")
+
+@dataclasses.dataclass(frozen=True)
+class ReferenceConfig:
+    """How the PyTorch reference computes (never what): pass one to ``relay_attention_torch(..., config=...)``.
+
+    Attributes:
+        fused_prefix: fp32 on CPU: the prefix pass runs torch's fused flash-attention CPU kernel, which never
+            materialises the ``[H_kv, N, P]`` scores and is ~3x faster than the two GEMMs + softmax at SmolLM2's decode
+            shape (docs/performance.md, CPU section). fp64 (the tests' oracle) and other dtypes always write it out.
+        max_score_elements: bound on the fp32 score matrix one written-out prefix chunk materialises (elements), so a
+            long prefill does not allocate ``B*G*L_q*P`` floats at once.
+    """
+
+    fused_prefix: bool = HAS_CPU_FLASH
+    max_score_elements: int = 1 << 26
+
+
+DEFAULT_REFERENCE_CONFIG = ReferenceConfig()
 
 
 def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -31,26 +46,38 @@ def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
+def _is_int_dtype(dtype: torch.dtype) -> bool:
+    return not (dtype.is_floating_point or dtype.is_complex or dtype == torch.bool)
+
+
 def check_relay_inputs(query, prefix_key, prefix_value, suffix_key, suffix_value, suffix_lengths,
                        suffix_end=None) -> None:
-    """Raise ``ValueError`` naming the first argument whose shape, dtype or device does not fit the contract."""
+    """Raise ``ValueError`` naming the first argument whose shape, dtype or device does not fit the contract.
+
+    Reads no tensor data (no host sync): the values of ``suffix_lengths`` and ``suffix_end`` are
+    ``check_relay_values``' job."""
     if query.dim() != 4:
         raise ValueError(f"query must be [B, H_q, L_q, D], got shape {tuple(query.shape)}")
+    if query.dtype not in FLOAT_DTYPES:
+        raise ValueError(f"query dtype {query.dtype} is not supported: relay attention takes fp16, bf16, fp32 or fp64")
     B, H_q, L_q, D = query.shape
     if suffix_key.dim() != 4 or suffix_key.shape[0] != B or suffix_key.shape[-1] != D:
         raise ValueError(f"suffix_key must be [B={B}, H_kv, L_s, D={D}], got {tuple(suffix_key.shape)}")
     H_kv, L_s = suffix_key.shape[1], suffix_key.shape[2]
-    if suffix_value.shape != suffix_key.shape:
-        raise ValueError(f"suffix_value shape {tuple(suffix_value.shape)} != suffix_key {tuple(suffix_key.shape)}")
-    if H_q % H_kv:
-        raise ValueError(f"H_q={H_q} is not a multiple of H_kv={H_kv}")
+    if suffix_value.dim() != 4 or suffix_value.shape[:3] != suffix_key.shape[:3]:
+        raise ValueError(f"suffix_value must be [B={B}, H_kv={H_kv}, L_s={L_s}, D_v], got "
+                         f"{tuple(suffix_value.shape)}")
+    D_v = suffix_value.shape[-1]
+    if H_kv == 0 or H_q % H_kv:
+        raise ValueError(f"H_q={H_q} query heads is not a multiple of H_kv={H_kv} key/value heads")
     if L_q > L_s:
         raise ValueError(f"L_q={L_q} queries but only L_s={L_s} suffix positions: queries are the last suffix tokens")
     pshape = (1, H_kv, prefix_key.shape[2] if prefix_key.dim() == 4 else -1, D)
     if prefix_key.dim() != 4 or tuple(prefix_key.shape) != pshape:
         raise ValueError(f"prefix_key must be [1, H_kv={H_kv}, P, D={D}] (one copy), got {tuple(prefix_key.shape)}")
-    if prefix_value.shape != prefix_key.shape:
-        raise ValueError(f"prefix_value shape {tuple(prefix_value.shape)} != prefix_key {tuple(prefix_key.shape)}")
+    if tuple(prefix_value.shape) != (*pshape[:3], D_v):
+        raise ValueError(f"prefix_value must be [1, H_kv={H_kv}, P={pshape[2]}, D_v={D_v}] (the value head dim of "
+                         f"suffix_value), got {tuple(prefix_value.shape)}")
     for name, t in (("prefix_key", prefix_key), ("prefix_value", prefix_value), ("suffix_key", suffix_key),
                     ("suffix_value", suffix_value)):
         if t.dtype != query.dtype:
@@ -58,60 +85,94 @@ def check_relay_inputs(query, prefix_key, prefix_value, suffix_key, suffix_value
         if t.device != query.device:
             raise ValueError(f"{name} is on {t.device} but query is on {query.device}")
     if suffix_lengths is not None:
-        if suffix_lengths.shape != (B,) or suffix_lengths.dtype.is_floating_point:
+        if suffix_lengths.shape != (B,) or not _is_int_dtype(suffix_lengths.dtype):
+            hint = " (a mask? pass its row sums)" if suffix_lengths.dtype == torch.bool else ""
             raise ValueError(f"suffix_lengths must be an integer tensor of shape [{B}], got "
-                             f"{suffix_lengths.dtype} {tuple(suffix_lengths.shape)}")
+                             f"{suffix_lengths.dtype} {tuple(suffix_lengths.shape)}{hint}")
+        if suffix_lengths.device != query.device:
+            raise ValueError(f"suffix_lengths is on {suffix_lengths.device} but query is on {query.device}")
     if suffix_end is not None:
-        if suffix_end.numel() != 1 or suffix_end.dtype.is_floating_point or suffix_end.device != query.device:
+        if suffix_end.numel() != 1 or not _is_int_dtype(suffix_end.dtype) or suffix_end.device != query.device:
             raise ValueError(f"suffix_end must be a one-element integer tensor on {query.device}, got "
                              f"{suffix_end.dtype} {tuple(suffix_end.shape)} on {suffix_end.device}")
 
 
+def check_relay_values(L_q: int, L_s: int, suffix_lengths: torch.Tensor | None,
+                       suffix_end: torch.Tensor | None) -> None:
+    """Raise ``ValueError`` if ``suffix_end`` is outside ``[L_q, L_s]`` or a ``suffix_lengths`` entry outside
+    ``[0, end]`` (``end = suffix_end`` or ``L_s``).
+
+    Only where reading the values is free: CPU tensors in an eager call. On CUDA (and while ``torch.compile`` traces
+    or a CUDA graph captures) reading them would sync the host every layer, so there they are the caller's contract;
+    out of range, the Triton kernels still read only inside the buffers (``end`` is clamped to ``L_s``, lengths to
+    ``[0, end]``)."""
+    end = L_s
+    if suffix_end is not None and suffix_end.device.type == "cpu" and not torch.compiler.is_compiling():
+        end = int(suffix_end.reshape(()))
+        if not L_q <= end <= L_s:
+            raise ValueError(f"suffix_end={end} must be in [L_q={L_q}, L_s={L_s}]: the queries are the last L_q "
+                             "filled positions of the suffix buffer")
+    elif suffix_end is not None:
+        return  # ``end`` lives on the device: the lengths cannot be checked against it without a sync either
+    if (suffix_lengths is not None and suffix_lengths.device.type == "cpu" and suffix_lengths.numel()
+            and not torch.compiler.is_compiling()):
+        lo, hi = (int(x) for x in suffix_lengths.aminmax())
+        if lo < 0 or hi > end:
+            raise ValueError(f"suffix_lengths must be in [0, {end}] (the filled suffix positions), got values in "
+                             f"[{lo}, {hi}]")
+
+
 def prefix_attention_torch(query: torch.Tensor, prefix_key: torch.Tensor, prefix_value: torch.Tensor,
-                           scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+                           scale: float, config: ReferenceConfig = DEFAULT_REFERENCE_CONFIG
+                           ) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention of every query of the batch against the ONE shared prefix copy.
 
     Args:
-        query: ``[B, H_q, L_q, D]``.
-        prefix_key, prefix_value: ``[1, H_kv, P, D]``, same dtype as ``query``.
+        query: ``[B, H_q, L_q, D]``, at least one query row.
+        prefix_key: ``[1, H_kv, P, D]``; prefix_value: ``[1, H_kv, P, D_v]``, same dtype as ``query``.
 
     Returns:
-        ``out_p [B, H_q, L_q, D]`` (accumulation dtype) and ``lse_p [B, H_q, L_q]`` (fp32, natural log).
+        ``out_p [B, H_q, L_q, D_v]`` (accumulation dtype) and ``lse_p [B, H_q, L_q]`` (natural log; ``-inf`` when
+        ``P == 0``).
 
     Batch, GQA group and query position are folded into one row dimension (``[H_kv, B*G*L_q, D]``) so that one
     attention call per KV head reads the prefix once for the whole batch (torch's fused CPU flash kernel for fp32
-    on CPU, ``CPU_FUSED_PREFIX``; the written-out softmax otherwise).
+    on CPU with ``config.fused_prefix``; the written-out softmax otherwise).
     """
     B, H_q, L_q, D = query.shape
-    H_kv, P = prefix_key.shape[1], prefix_key.shape[2]
+    H_kv, P, D_v = prefix_key.shape[1], prefix_key.shape[2], prefix_value.shape[-1]
     acc = _acc_dtype(query.dtype)
     if P == 0:
-        return (torch.zeros(B, H_q, L_q, D, dtype=acc, device=query.device),
+        return (torch.zeros(B, H_q, L_q, D_v, dtype=acc, device=query.device),
                 torch.full((B, H_q, L_q), float("-inf"), dtype=acc, device=query.device))
     G = H_q // H_kv
     rows = query.view(B, H_kv, G, L_q, D).transpose(0, 1).reshape(H_kv, B * G * L_q, D).to(acc)  # [H_kv, N, D]
-    if CPU_FUSED_PREFIX and query.device.type == "cpu" and query.dtype == torch.float32:
+    # the fused op needs one head dim for K and V, and a non-empty one
+    if (config.fused_prefix and query.device.type == "cpu" and query.dtype == torch.float32 and D == D_v
+            and D > 0):
         out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
             rows[None], prefix_key, prefix_value, 0.0, False, scale=scale)[:2]  # [1, H_kv, N, D], [1, H_kv, N]
         out, lse = out[0], lse[0]
     else:
-        out, lse = _prefix_chunks(rows, prefix_key[0].to(acc), prefix_value[0].to(acc), scale)
-    out = out.view(H_kv, B, G, L_q, D).transpose(0, 1).reshape(B, H_q, L_q, D)
+        out, lse = _prefix_chunks(rows, prefix_key[0].to(acc), prefix_value[0].to(acc), scale,
+                                  config.max_score_elements)
+    out = out.view(H_kv, B, G, L_q, D_v).transpose(0, 1).reshape(B, H_q, L_q, D_v)
     lse = lse.view(H_kv, B, G, L_q).transpose(0, 1).reshape(B, H_q, L_q)
     return out, lse
 
 
-def _prefix_chunks(rows: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
+def _prefix_chunks(rows: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, max_score_elements: int
                    ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Softmax attention written out: ``rows [H_kv, N, D]`` against ``k, v [H_kv, P, D]`` (all one dtype).
+    """Softmax attention written out: ``rows [H_kv, N, D]`` against ``k [H_kv, P, D]``, ``v [H_kv, P, D_v]`` (all
+    one dtype).
 
-    Returns ``out [H_kv, N, D]`` and ``lse [H_kv, N]`` in that dtype. Rows go in chunks of at most
-    ``_MAX_SCORE_ELEMENTS`` scores so a long prefill does not materialise all ``N * P`` of them.
+    Returns ``out [H_kv, N, D_v]`` and ``lse [H_kv, N]`` in that dtype. Rows go in chunks of at most
+    ``max_score_elements`` scores so a long prefill does not materialise all ``N * P`` of them.
     """
-    H_kv, N, D = rows.shape
-    out = torch.empty(H_kv, N, D, dtype=rows.dtype, device=rows.device)
+    H_kv, N, _ = rows.shape
+    out = torch.empty(H_kv, N, v.shape[-1], dtype=rows.dtype, device=rows.device)
     lse = torch.empty(H_kv, N, dtype=rows.dtype, device=rows.device)
-    step = max(1, _MAX_SCORE_ELEMENTS // max(1, H_kv * k.shape[1]))
+    step = max(1, max_score_elements // max(1, H_kv * k.shape[1]))
     for start in range(0, N, step):
         scores = torch.matmul(rows[:, start:start + step], k.transpose(1, 2)) * scale  # [H_kv, n, P]
         lse_c = torch.logsumexp(scores, dim=-1)
@@ -127,22 +188,22 @@ def suffix_attention_torch(query: torch.Tensor, suffix_key: torch.Tensor, suffix
 
     Args:
         query: ``[B, H_q, L_q, D]``; query ``i`` sits at suffix position ``end - L_q + i``.
-        suffix_key, suffix_value: ``[B, H_kv, L_s, D]``; row ``b``'s valid keys are the last ``suffix_lengths[b]``
-            of the first ``end`` positions.
+        suffix_key: ``[B, H_kv, L_s, D]``; suffix_value: ``[B, H_kv, L_s, D_v]``; row ``b``'s valid keys are the
+            last ``suffix_lengths[b]`` of the first ``end`` positions.
         suffix_lengths: ``[B]`` integer, or ``None`` when every position before ``end`` is valid.
         suffix_end: one-element integer tensor ``end`` (a static buffer filled up to there), or ``None``: ``L_s``.
             Eager calls on CPU cut the buffer at ``end``; traced ones mask the tail (no data-dependent shape).
 
     Returns:
-        ``out_s [B, H_q, L_q, D]`` (accumulation dtype; zero where a query sees no key) and ``lse_s [B, H_q, L_q]``
+        ``out_s [B, H_q, L_q, D_v]`` (accumulation dtype; zero where a query sees no key) and ``lse_s [B, H_q, L_q]``
         (``-inf`` there).
     """
     B, H_q, L_q, D = query.shape
     if suffix_end is not None and suffix_end.device.type == "cpu" and not torch.compiler.is_compiling():
         # eager CPU: reading ``end`` costs no device sync, and the filled part is all a static buffer can show
-        end = int(suffix_end)
+        end = int(suffix_end.reshape(()))
         suffix_key, suffix_value, suffix_end = suffix_key[:, :, :end], suffix_value[:, :, :end], None
-    H_kv, L_s = suffix_key.shape[1], suffix_key.shape[2]
+    H_kv, L_s, D_v = suffix_key.shape[1], suffix_key.shape[2], suffix_value.shape[-1]
     G = H_q // H_kv
     acc = _acc_dtype(query.dtype)
     q = query.reshape(B, H_kv, G * L_q, D).to(acc)  # group folded into the query rows
@@ -152,14 +213,14 @@ def suffix_attention_torch(query: torch.Tensor, suffix_key: torch.Tensor, suffix
     k_pos = torch.arange(L_s, device=query.device)
     visible = (k_pos[None, :] <= q_pos[:, None])[None]  # [1, L_q, L_s]
     if suffix_lengths is not None:
-        first_valid = (end - suffix_lengths.to(query.device)).view(B, 1, 1)
+        first_valid = (end - suffix_lengths.long()).view(B, 1, 1)  # int64: no int8/uint8 wrap-around
         visible = visible & (k_pos.view(1, 1, L_s) >= first_valid)  # [B, L_q, L_s]
     visible = visible[:, None, None].expand(-1, 1, G, -1, -1).reshape(visible.shape[0], 1, G * L_q, L_s)
     scores = scores.masked_fill(~visible, float("-inf"))
     lse = torch.logsumexp(scores, dim=-1)  # [B, H_kv, G*L_q]
     probs = torch.exp(scores - torch.where(torch.isinf(lse), 0.0, lse)[..., None])
     out = torch.matmul(probs, suffix_value.to(acc))
-    return out.view(B, H_q, L_q, D), lse.view(B, H_q, L_q)
+    return out.view(B, H_q, L_q, D_v), lse.view(B, H_q, L_q)
 
 
 def merge_partials(out_p: torch.Tensor, lse_p: torch.Tensor, out_s: torch.Tensor,
@@ -182,15 +243,28 @@ def merge_partials(out_p: torch.Tensor, lse_p: torch.Tensor, out_s: torch.Tensor
 
 def relay_attention_torch(query: torch.Tensor, prefix_key: torch.Tensor, prefix_value: torch.Tensor,
                           suffix_key: torch.Tensor, suffix_value: torch.Tensor, *, scale: float | None = None,
-                          suffix_lengths: torch.Tensor | None = None,
-                          suffix_end: torch.Tensor | None = None) -> torch.Tensor:
-    """Relay attention in PyTorch; same signature and contract as ``relay_hf.relay_attention``.
+                          suffix_lengths: torch.Tensor | None = None, suffix_end: torch.Tensor | None = None,
+                          config: ReferenceConfig | None = None) -> torch.Tensor:
+    """Relay attention in PyTorch; same contract as ``relay_hf.relay_attention``. ``config``: how the prefix pass
+    computes (``DEFAULT_REFERENCE_CONFIG`` when ``None``).
 
-    Returns ``[B, H_q, L_q, D]`` in ``query.dtype``.
+    Returns ``[B, H_q, L_q, D_v]`` in ``query.dtype``; an empty result (``B``, ``H_q``, ``L_q`` or ``D_v`` zero) is an
+    empty tensor of that shape.
     """
     check_relay_inputs(query, prefix_key, prefix_value, suffix_key, suffix_value, suffix_lengths, suffix_end)
-    scale = query.shape[-1] ** -0.5 if scale is None else scale
-    out_p, lse_p = prefix_attention_torch(query, prefix_key, prefix_value, scale)
+    B, H_q, L_q, D = query.shape
+    check_relay_values(L_q, suffix_key.shape[2], suffix_lengths, suffix_end)
+    D_v = suffix_value.shape[-1]
+    if B * H_q * L_q * D_v == 0:
+        return query.new_zeros(B, H_q, L_q, D_v)
+    scale = default_scale(D) if scale is None else scale
+    out_p, lse_p = prefix_attention_torch(query, prefix_key, prefix_value, scale,
+                                          DEFAULT_REFERENCE_CONFIG if config is None else config)
     out_s, lse_s = suffix_attention_torch(query, suffix_key, suffix_value, scale, suffix_lengths, suffix_end)
     out, _ = merge_partials(out_p, lse_p, out_s, lse_s)
     return out.to(query.dtype)
+
+
+def default_scale(head_dim: int) -> float:
+    """``D ** -0.5``; 1.0 for ``D == 0``, where every score is 0 whatever the scale."""
+    return head_dim ** -0.5 if head_dim else 1.0

@@ -1,6 +1,6 @@
 """Triton relay attention: partials for the prefix (read once per batch, split-KV) and for each row's suffix (split
-when the batch is small), merged by LSE. Two layouts, picked by the row count (``SEPARATE_ROWS``): one launch for
-all partials plus a tiny merge launch, or a prefix launch then a suffix launch that merges (see 3.).
+when the batch is small), merged by LSE. Two layouts, picked by the row count (``KernelConfig.separate_rows``): one
+launch for all partials plus a tiny merge launch, or a prefix launch then a suffix launch that merges (see 3.).
 
 1. ``_partials_kernel`` — grid ``(prefix_units + suffix_units, H_kv)``; a program is one of two kinds of unit:
 
@@ -11,17 +11,22 @@ all partials plus a tiny merge launch, or a prefix launch then a suffix launch t
    * suffix unit ``(row, row block, split)``: one row's ``G*L_q`` queries against a split of its own left-padded
      suffix (causal, GQA without expanding K/V).
 
-   Both kinds run in the same wave, so the prefix and suffix reads overlap. Each writes a normalised partial output
-   (fp32, or the input dtype with ``PARTIAL_HALF``) and its natural-log fp32 LSE into its own slot: prefix split
-   ``s`` -> slot ``s``, suffix split ``t`` -> slot ``prefix_splits + t``.
+   Both kinds run in the same wave (``KIND_BOTH``), so the prefix and suffix reads overlap. Each writes a normalised
+   partial output (fp32, or the input dtype with ``partial_half``) and its natural-log fp32 LSE into its own slot:
+   prefix split ``s`` -> slot ``s``, suffix split ``t`` -> slot ``prefix_splits + t``.
 2. ``_merge_kernel`` — grid ``(row blocks, H_kv)``: loads every slot of its rows in one tile, weights them by LSE
    (fixed reduction trees: deterministic, no atomics) and writes the output once, in the input dtype.
-3. Separate layout: ``_partials_kernel`` with ``KIND=1`` (prefix units only), then with ``KIND=2`` (suffix units
-   only, own tiles); with one suffix split and few prefix slots each suffix unit merges its rows' prefix slots the
-   way ``_merge_kernel`` does and writes the output, so there is no merge launch. On Hopper+ that fused suffix launch
-   is a programmatic dependent launch (``PDL``): it starts while the prefix launch runs and waits only before the
-   merge; where more of its programs would be queued than fit beside the prefix programs, each streams two batch rows
-   (``SUFFIX_PAIR_ABOVE``). The prefix's full K/V tiles load through TMA descriptors where possible (``PREFIX_TMA``).
+3. Separate layout: ``_partials_kernel`` with ``KIND_PREFIX`` (prefix units only), then with ``KIND_SUFFIX`` (suffix
+   units only, own tiles); with one suffix split and few prefix slots each suffix unit merges its rows' prefix slots
+   the way ``_merge_kernel`` does and writes the output, so there is no merge launch. On Hopper+ that fused suffix
+   launch is a programmatic dependent launch (``pdl``): it starts while the prefix launch runs and waits only before
+   the merge; where more of its programs would be queued than fit beside the prefix programs, each streams two batch
+   rows (``suffix_pair_above``). The prefix's full K/V tiles load through TMA descriptors where possible
+   (``prefix_tma``).
+
+Every tunable lives in one frozen ``KernelConfig`` (``DEFAULT_CONFIG``), passed explicitly; the launch plan of a call
+is a pure function of its shapes, dtypes, devices, prefix layout and config, built once and reused by every layer
+that has the same key ("plan once, run per layer").
 
 Tensor contract (see ``relay_hf.relay_attention``): ``query [B, H_q, L_q, D]``, ``prefix_* [1, H_kv, P, D]``,
 ``suffix_* [B, H_kv, L_s, D]``, ``suffix_lengths [B]`` int or None, ``suffix_end`` one-element int tensor or None.
@@ -30,8 +35,14 @@ Scores are in the log2 domain inside the kernels (``exp2``); every LSE that leav
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
+import dataclasses
 import functools
+import inspect
+import math
 import os
+from collections.abc import Iterator, Mapping
 from typing import NamedTuple
 
 import torch
@@ -45,61 +56,126 @@ try:
     from triton.tools.tensor_descriptor import TensorDescriptor
 except ImportError:  # pragma: no cover - triton without TMA descriptors: pointer loads only
     TensorDescriptor = None
+try:
+    from triton.compiler import CompiledKernel
+except ImportError:  # pragma: no cover - no compiled kernels to reuse: every call goes through Triton's launcher
+    CompiledKernel = None
 
-from .reference import check_relay_inputs
+from .reference import check_relay_inputs, check_relay_values, default_scale
 
-LOG2E = 1.4426950408889634
+LOG2E = math.log2(math.e)  # exp(x) = exp2(x * LOG2E): the kernels' scores are in the log2 domain
+LN2 = math.log(2.0)  # log2 -> natural log: every LSE that leaves a kernel is natural-log
+HEAD_DIM_CLASSES = (64, 128, 256)  # tile tables are keyed by the padded head dim, clamped to this range
 
-# --- tile configs and work split, in one visible place -------------------------------------------------------------
-TILES = {64: (64, 4, 3), 128: (64, 4, 3), 256: (32, 8, 2)}  # head dim -> (BLOCK_N keys per tile, warps, stages)
-MAX_BLOCK_M = 64  # query rows per prefix program; small batches use the smallest tl.dot tile (16)
-SPLIT_WAVES = 4  # prefix units alone aim for this many programs per SM
-SUFFIX_WAVES = 1  # suffix units alone aim for this many programs per SM (split the suffix when B*H_kv is small)
-PARTIAL_BUDGET = 2  # keep prefix-partial traffic <= 1/PARTIAL_BUDGET of the prefix bytes
-MAX_SPLITS = 32
-MERGE_TILE = (16, 2)  # merge kernel: (rows x slots per program, warps); a program merges max(1, 16 // slots) rows
-PARTIAL_HALF = True  # fp16/bf16 inputs: partial outputs in the input dtype (half the scratch bytes); LSE stays fp32
-# Separate layout: for N = B*G*L_q rows in SEPARATE_ROWS the prefix and the suffix run as two launches, each compiled
-# for its own tiles (the suffix's lighter programs then fit 3-5 per SM), the prefix split for SEPARATE_SPLIT =
-# (SPLIT_WAVES, PARTIAL_BUDGET), and the suffix launch merges the prefix partials itself when there are at most
-# FUSED_MERGE_SLOTS of them and its [rows, slots, D] merge tile has at most FUSED_MERGE_TILE rows x slots (no merge
-# launch). Measured on the H200 with PDL (below; docs/kernel_notes.md, session 5, us): one launch -> separate at
-# 4096 x 16: 15.8 -> 12.7 (then without the fused merge), 4096 x 128: 63.5 -> 59.1; at 32 rows it lost (1024 x 8:
-# 8.3 -> 8.8), hence [64, 512]; but 16384 x 128 went 123.4 -> 132.7 (a tail wave of prefix programs).
-# 16 fused slots instead of 8: 16384 x 32: 42.5 -> 34.3 (its 16 prefix splits no longer need a merge launch).
-SEPARATE_ROWS = (64, 512)
-SUFFIX_TILES = {64: (32, 4, 3), 128: (32, 4, 3), 256: (32, 8, 2)}
-# The separate prefix launch is split for whole waves of SEPARATE_SPLIT[0] programs per SM: rounding the split count
-# up had S=16384, B=128 at 5 splits x 64 units = 320 programs for 264 slots; 4 splits: 132.8 -> 109.5 us, and
-# 16384 x 64 (L_s 96): 61.3 -> 45.6, 32768 x 32: 66.7 -> 51.1 (session 6). The one-launch layout still rounds up
-# (its grid also holds the suffix units; whole waves there: 16384 x 256: 225.7 -> 230.0).
-SEPARATE_SPLIT = (2, 4)
-FUSED_MERGE_SLOTS = 16
-FUSED_MERGE_TILE = 512
-# The separate layout's prefix launch: head dim -> (BLOCK_M query rows, BLOCK_N keys, warps, stages). 128-row blocks
-# with 8 warps (one K/V tile in shared memory for twice the rows) and 2 stages were slower on the H200 (session 5).
-PREFIX_TILES = {64: (64, 64, 4, 3), 128: (64, 64, 4, 3), 256: (64, 32, 8, 2)}
-# Prefix K/V full tiles through TMA tensor descriptors (Hopper+ or the interpreter; fp16/bf16, head dim a power of
-# two, 16-byte aligned strides): no address registers, no per-element predicates.
-PREFIX_TMA = True
-# Programmatic dependent launch (Hopper+) of the separate layout's fused suffix launch: it is queued as soon as every
-# prefix program has started (instead of after the prefix launch drains), its programs stream their suffix K/V as SM
-# room frees, and wait (griddepcontrol.wait) only before they read the prefix partials. Measured (H200, session 5,
-# warm us): 4096 x 32: 24.3 -> 18.1, 4096 x 64 (L_s 96): 23.9 -> 22.7, 8192 x 64 (L_s 96): 32.7 -> 31.3. It lost
-# where the suffix launch does not merge (waiting before exit; 16384 x 32 with 8 fused slots: 39.7 -> 42.5) and on
-# the merge launch (1024 x 8: 8.2 -> 8.7, 4096 x 128: 63.5 -> 65.9: waiting programs hold SM slots), so it is used
-# for the fused suffix launch only.
-PDL = True
-# Paired suffix units: where the prefix launch runs at most one program per SM (room beside it), the prefix has at
-# least SUFFIX_PAIR_MIN_PREFIX tokens and the fused suffix launch would have more than SUFFIX_PAIR_ABOVE programs per
-# SM (about what fits beside one prefix program), each suffix program streams two batch rows before its PDL wait.
-# Unpaired, the suffix programs that fit finish streaming early and then hold their slots in that wait while the rest
-# cannot start until prefix programs leave (S=4096, B=64: 404 of 512 resident, the last 108 start at 16.7 us and end
-# at 22.6 us; session 10's in-kernel timeline). Measured (H200, warm us, session 10): 4096 x 64 (L_s 96) 22.8 ->
-# 20.4-20.7, (L_s 88) 22.4 -> 20.5-21.0, 4096 x 128 59.7 -> 55.1-55.2, 2048 x 64 unchanged, 1024 x 64 17.1 -> 17.4
-# (hence the prefix bound); end to end S=4096, B=64 6.178-6.185 -> 6.097-6.104 ms a step. None: never.
-SUFFIX_PAIR_ABOVE = 3
-SUFFIX_PAIR_MIN_PREFIX = 2048
+TileTable = tuple[tuple[int, tuple[int, ...]], ...]
+
+
+def _tile_table(value, width: int, name: str) -> TileTable:
+    """A tile table as a sorted tuple of ``(head-dim class, row)`` pairs; a ``{class: row}`` mapping is accepted."""
+    try:
+        items = value.items() if isinstance(value, Mapping) else value
+        table = tuple(sorted((int(k), tuple(int(x) for x in row)) for k, row in items))
+    except (TypeError, ValueError):
+        table = ()
+    if tuple(k for k, _ in table) != HEAD_DIM_CLASSES or any(len(row) != width for _, row in table):
+        raise ValueError(f"KernelConfig.{name} must map the head-dim classes {HEAD_DIM_CLASSES} to {width} ints each, "
+                         f"got {value!r}")
+    return table
+
+
+# --- every tunable, in one visible place (measurements: docs/performance.md, kernel section) -----------------------
+@dataclasses.dataclass(frozen=True)
+class KernelConfig:
+    """Tile tables, work split and launch layout of the Triton relay kernels: immutable and hashable, so a launch plan
+    is cached per config. Never mutate a module to tune; build a variant and pass it::
+
+        cfg = dataclasses.replace(DEFAULT_CONFIG, split_waves=2, partial_budget=4)
+        relay_attention_triton(q, pk, pv, sk, sv, config=cfg)
+        with use_config(cfg):  # calls made deeper down (a patched model, the custom op) without a config argument
+            model.generate(...)
+
+    Tile tables (``tiles``, ``suffix_tiles``, ``prefix_tiles``) map the padded head dim ``BLOCK_D`` (64, 128, 256;
+    clamped into that range) to a row; a ``{64: row, 128: row, 256: row}`` dict is accepted and stored as a tuple of
+    ``(head_dim, row)`` pairs.
+    """
+
+    # one-launch layout: head dim -> (BLOCK_N keys per tile, warps, stages)
+    tiles: TileTable = ((64, (64, 4, 3)), (128, (64, 4, 3)), (256, (32, 8, 2)))
+    # query rows per prefix program; small batches use the smallest tl.dot tile (16)
+    max_block_m: int = 64
+    # prefix units alone aim for this many programs per SM
+    split_waves: int = 4
+    # suffix units alone aim for this many programs per SM (the suffix is split when B*H_kv is small)
+    suffix_waves: int = 1
+    # prefix-partial traffic stays <= 1/partial_budget of the prefix bytes
+    partial_budget: int = 2
+    max_splits: int = 32
+    # merge kernel: (rows x slots per program, warps); a program merges max(1, rows x slots // slots) rows
+    merge_tile: tuple[int, int] = (16, 2)
+    # fp16/bf16: partial outputs in the input dtype (half the scratch bytes; LSE stays fp32), docs/performance.md
+    partial_half: bool = True
+    # N = B*G*L_q rows in this range run as separate prefix and suffix launches, each with its own tiles (won at 128+
+    # rows, lost at 32, and at 16384 x 128 a tail wave of prefix programs: docs/performance.md)
+    separate_rows: tuple[int, int] = (64, 512)
+    # separate layout's suffix launch: head dim -> (BLOCK_N, warps, stages); its lighter programs fit 3-5 per SM
+    suffix_tiles: TileTable = ((64, (32, 4, 3)), (128, (32, 4, 3)), (256, (32, 8, 2)))
+    # separate layout's prefix launch: (waves, budget), split for whole waves only (no tail wave, docs/performance.md)
+    separate_split: tuple[int, int] = (2, 4)
+    # the separate suffix launch merges the prefix partials itself (no merge launch) while there are at most
+    # fused_merge_slots of them and its [rows, slots] merge tile has at most fused_merge_tile elements
+    fused_merge_slots: int = 16
+    fused_merge_tile: int = 512
+    # separate layout's prefix launch: head dim -> (BLOCK_M, BLOCK_N, warps, stages); 128-row blocks were slower
+    prefix_tiles: TileTable = ((64, (64, 64, 4, 3)), (128, (64, 64, 4, 3)), (256, (64, 32, 8, 2)))
+    # prefix K/V full tiles through TMA descriptors (Hopper+ or the interpreter; fp16/bf16, head dim a power of two,
+    # 16-byte aligned strides and base): no address registers, no per-element predicates
+    prefix_tma: bool = True
+    # programmatic dependent launch (Hopper+) of the fused suffix launch only: it streams its suffix while the prefix
+    # launch runs and waits before the merge (it lost wherever programs wait without merging: docs/performance.md)
+    pdl: bool = True
+    # paired suffix units: where the prefix launch runs at most one program per SM, the prefix has at least
+    # suffix_pair_min_prefix tokens and more than suffix_pair_above fused suffix programs per SM would queue, each
+    # suffix program streams two batch rows before its PDL wait (None: never; docs/performance.md)
+    suffix_pair_above: int | None = 3
+    suffix_pair_min_prefix: int = 2048
+    # SM count the work split plans for; None: the device's (a smaller share of the GPU, or a test planning for a
+    # large GPU on a small one)
+    num_sms: int | None = None
+    # after a plan's first call, launch the kernels Triton compiled for it directly (host time: Triton's per-call
+    # argument specialisation is skipped; the call's strides and 16-byte alignment are part of the reuse key)
+    reuse_compiled: bool = True
+
+    def __post_init__(self):
+        for name, width in (("tiles", 3), ("suffix_tiles", 3), ("prefix_tiles", 4)):
+            object.__setattr__(self, name, _tile_table(getattr(self, name), width, name))
+        for name in ("merge_tile", "separate_rows", "separate_split"):
+            value = tuple(getattr(self, name))
+            if len(value) != 2:
+                raise ValueError(f"KernelConfig.{name} must be a pair, got {getattr(self, name)!r}")
+            object.__setattr__(self, name, value)
+        # hashed once: the config is part of every call's plan key
+        object.__setattr__(self, "_hash", hash(dataclasses.astuple(self)))
+
+    def __hash__(self) -> int:
+        return self._hash
+
+
+DEFAULT_CONFIG = KernelConfig()
+_ACTIVE_CONFIG: contextvars.ContextVar[KernelConfig] = contextvars.ContextVar("relay_kernel_config",
+                                                                              default=DEFAULT_CONFIG)
+
+
+@contextlib.contextmanager
+def use_config(config: KernelConfig) -> Iterator[KernelConfig]:
+    """Within the block, calls that pass no ``config`` (``relay_attention``, the custom op, a patched model) use this
+    one. A CUDA graph or compiled step captured inside keeps the launches it captured."""
+    if not isinstance(config, KernelConfig):
+        raise ValueError(f"use_config needs a KernelConfig, got {type(config).__name__}")
+    token = _ACTIVE_CONFIG.set(config)
+    try:
+        yield config
+    finally:
+        _ACTIVE_CONFIG.reset(token)
 
 
 def triton_available() -> bool:
@@ -111,9 +187,13 @@ def _interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET") == "1"
 
 
-def _tile(head_dim: int, tiles=None):
-    block_d = max(16, triton.next_power_of_2(head_dim))
-    return (block_d, *(tiles or TILES)[min(max(block_d, 64), 256)])
+def _block_d(head_dim: int) -> int:
+    return max(16, triton.next_power_of_2(head_dim))
+
+
+def _row(table: TileTable, block_d: int) -> tuple[int, ...]:
+    """The row of a tile table for a padded head dim."""
+    return dict(table)[min(max(block_d, HEAD_DIM_CLASSES[0]), HEAD_DIM_CLASSES[-1])]
 
 
 @functools.cache
@@ -129,39 +209,48 @@ def _hopper(device_index: int) -> bool:
     return torch.cuda.get_device_capability(device_index)[0] >= 9
 
 
-def _block_m(rows: int, cap: int | None = None) -> int:
-    return min(cap or MAX_BLOCK_M, max(16, triton.next_power_of_2(rows)))
+def _block_m(rows: int, cap: int) -> int:
+    return min(cap, max(16, triton.next_power_of_2(rows)))
 
 
 def plan_splits(P: int, N: int, H_kv: int, block_m: int, block_n: int, num_sms: int, waves: int | None = None,
-                budget: int | None = None, whole_waves: bool = False) -> tuple[int, int]:
-    """``(splits, tiles_per_split)`` for the prefix: enough programs for ``waves`` (``SPLIT_WAVES``) per SM (with
-    ``whole_waves``: as many as fit, never a partial wave more), few enough that the partials (``splits * N * D``
-    elements per head) stay within ``1/budget`` (``PARTIAL_BUDGET``) of the prefix (``P * D`` elements per head, K and
-    V)."""
+                budget: int | None = None, whole_waves: bool = False,
+                config: KernelConfig = DEFAULT_CONFIG) -> tuple[int, int]:
+    """``(splits, tiles_per_split)`` for the prefix: enough programs for ``waves`` (``config.split_waves``) per SM
+    (with ``whole_waves``: as many as fit, never a partial wave more), few enough that the partials
+    (``splits * N * D`` elements per head) stay within ``1/budget`` (``config.partial_budget``) of the prefix
+    (``P * D`` elements per head, K and V), and at most ``config.max_splits``."""
     if P == 0:
         return 0, 1
-    waves, budget = waves or SPLIT_WAVES, budget or PARTIAL_BUDGET
+    waves, budget = waves or config.split_waves, budget or config.partial_budget
     n_tiles = triton.cdiv(P, block_n)
     units = H_kv * triton.cdiv(N, block_m)
     want = max(1, waves * num_sms // units) if whole_waves else triton.cdiv(waves * num_sms, units)
     cap = max(1, P // (budget * N))
-    splits = max(1, min(n_tiles, want, cap, MAX_SPLITS))
+    splits = max(1, min(n_tiles, want, cap, config.max_splits))
     per = triton.cdiv(n_tiles, splits)
     return triton.cdiv(n_tiles, per), per
 
 
-def plan_suffix_splits(L_s: int, units: int, H_kv: int, block_n: int, num_sms: int) -> tuple[int, int]:
+def plan_suffix_splits(L_s: int, units: int, H_kv: int, block_n: int, num_sms: int,
+                       config: KernelConfig = DEFAULT_CONFIG) -> tuple[int, int]:
     """``(splits, tiles_per_split)`` for the suffix: split each row's suffix only when ``units * H_kv`` programs
-    (one per row and row block) would leave SMs idle."""
+    (one per row and row block) would leave SMs idle (``config.suffix_waves`` programs per SM)."""
     n_tiles = max(1, triton.cdiv(L_s, block_n))
-    want = triton.cdiv(SUFFIX_WAVES * num_sms, H_kv * units)
-    splits = max(1, min(n_tiles, want, MAX_SPLITS))
+    want = triton.cdiv(config.suffix_waves * num_sms, H_kv * units)
+    splits = max(1, min(n_tiles, want, config.max_splits))
     per = triton.cdiv(n_tiles, splits)
     return triton.cdiv(n_tiles, per), per
 
 
 if triton is not None:
+    # unit kinds of one ``_partials_kernel`` launch (its KIND): both in one grid, or one kind per launch (the
+    # separate layout, module docstring 3.)
+    KIND_BOTH = tl.constexpr(0)
+    KIND_PREFIX = tl.constexpr(1)
+    KIND_SUFFIX = tl.constexpr(2)
+    _LOG2E = tl.constexpr(LOG2E)
+    _LN2 = tl.constexpr(LN2)
 
     @triton.jit
     def _dot(a, b, IEEE: tl.constexpr, DOT_F32: tl.constexpr):
@@ -182,10 +271,11 @@ if triton is not None:
                 BLOCK_N: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr,
                 IEEE: tl.constexpr, DOT_F32: tl.constexpr):
         """Continue the running ``(m, l, acc)`` (log2 domain, unnormalised) of queries ``q [BLOCK_M, BLOCK_D]`` over
-        keys ``[lo, hi)`` of one head (``K``/``V`` point at its first key). ``MASKED``: keys ``>= hi`` or before
-        ``first`` (padding) are hidden, and with ``CAUSAL`` query row j sees keys ``<= q_pos[j]``; unmasked calls are
-        the prefix's full tiles, where the per-score masking is pure overhead. Fully masked rows stay at
-        ``m=-inf, l=0, acc=0``. ``scale_log2 > 0`` is folded into the exponent (one FMA per score)."""
+        keys ``[lo, hi)`` of one head: ``K``/``V`` point at its first key, ``sk_n``/``sv_n`` step a key, ``sk_d``/
+        ``sv_d`` a head-dim element. ``MASKED``: keys ``>= hi`` or before ``first`` (padding) are hidden, and with
+        ``CAUSAL`` query row j sees keys ``<= q_pos[j]``; unmasked calls are the prefix's full tiles, where the
+        per-score masking is pure overhead. Fully masked rows stay at ``m=-inf, l=0, acc=0``. ``scale_log2 > 0`` is
+        folded into the exponent (one FMA per score)."""
         # a masked prefix call covers at most P's last partial tile: not worth a software pipeline
         for n0 in tl.range(lo, hi, BLOCK_N, num_stages=1 if MASKED and not CAUSAL else None):
             cols = n0 + tl.arange(0, BLOCK_N)
@@ -232,48 +322,49 @@ if triton is not None:
         return m, l, acc
 
     @triton.jit
-    def _store_out(O, so_b, so_h, so_l, so_d, n, n_ok, h, G, L_q, d, d_ok, out):
-        """Rows ``n = (b * G + g) * L_q + i`` of KV head ``h`` into ``O [B, H_q, L_q, D]`` in its dtype."""
+    def _store_out(O, o_st, n, n_ok, h, G, L_q, d, d_ok, out):
+        """Rows ``n = (b * G + g) * L_q + i`` of KV head ``h`` into ``O [B, H_q, L_q, D]`` (strides ``o_st``) in its
+        dtype."""
         b, g, i = n // (G * L_q), (n // L_q) % G, n % L_q
-        tl.store(O + b[:, None] * so_b + (h * G + g)[:, None] * so_h + i[:, None] * so_l + d[None, :] * so_d,
-                 out.to(O.dtype.element_ty), mask=n_ok[:, None] & d_ok[None, :])
+        tl.store(O + b[:, None] * o_st[0] + (h * G + g)[:, None] * o_st[1] + i[:, None] * o_st[2]
+                 + d[None, :] * o_st[3], out.to(O.dtype.element_ty), mask=n_ok[:, None] & d_ok[None, :])
 
     @triton.jit
     def _store_partial(PO, PLSE, slot, h, H_kv, N, n, n_ok, m, l, acc, d, d_ok, D):
         """Normalised partial (in ``PO``'s dtype) and natural-log fp32 LSE of rows ``n`` into ``slot``; an empty part
         gets (0, -inf)."""
         out = acc / tl.where(l == 0.0, 1.0, l)[:, None]
-        lse = tl.where(l == 0.0, float("-inf"), (m + tl.log2(l)) * 0.6931471805599453)
+        lse = tl.where(l == 0.0, float("-inf"), (m + tl.log2(l)) * _LN2)
         base = (slot * H_kv + h) * N + n
         tl.store(PO + base[:, None] * D + d[None, :], out.to(PO.dtype.element_ty), mask=n_ok[:, None] & d_ok[None, :])
         tl.store(PLSE + base, lse, mask=n_ok)
 
     @triton.jit
-    def _prefix_unit(Q, PK, PV, KD, VD, PO, PLSE, u, h, H_kv, sq_b, sq_h, sq_l, sq_d, spk_h, spk_p, spk_d,
-                     spv_h, spv_p, spv_d, N, P, L_q, G, D, scale_log2, prefix_blocks, prefix_per,
-                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    def _prefix_unit(Q, q_st, PK, pk_st, PV, pv_st, KD, VD, PO, PLSE, u, h, H_kv, dims, scale_log2, prefix_blocks,
+                     prefix_per, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
                      IEEE: tl.constexpr, DOT_F32: tl.constexpr, TMA: tl.constexpr):
         """Rows n = (b * G + g) * L_q + i of the whole batch against one split of the shared prefix -> slot split."""
+        N, P, L_q, L_s, G, D = dims
         rb, split = u % prefix_blocks, u // prefix_blocks
         n = rb * BLOCK_M + tl.arange(0, BLOCK_M)
         n_ok = n < N
         b, g, i = n // (G * L_q), (n // L_q) % G, n % L_q
         d = tl.arange(0, BLOCK_D)
         d_ok = d < D
-        q = tl.load(Q + b[:, None] * sq_b + (h * G + g)[:, None] * sq_h + i[:, None] * sq_l + d[None, :] * sq_d,
-                    mask=n_ok[:, None] & d_ok[None, :], other=0.0)
+        q = tl.load(Q + b[:, None] * q_st[0] + (h * G + g)[:, None] * q_st[1] + i[:, None] * q_st[2]
+                    + d[None, :] * q_st[3], mask=n_ok[:, None] & d_ok[None, :], other=0.0)
         lo = split * prefix_per * BLOCK_N
         hi = tl.minimum(lo + prefix_per * BLOCK_N, P)
         full = lo + (hi - lo) // BLOCK_N * BLOCK_N  # splits start on tile boundaries: only P's last tile is partial
         m, l, acc = _empty(BLOCK_M, BLOCK_D)
-        PKh, PVh = PK + h * spk_h, PV + h * spv_h
+        PKh, PVh = PK + h * pk_st[0], PV + h * pv_st[0]
         if TMA:
             m, l, acc = _attend_tma(m, l, acc, q, KD, VD, h, lo, full, scale_log2, BLOCK_N, BLOCK_D, DOT_F32)
         else:
-            m, l, acc = _attend(m, l, acc, q, PKh, PVh, spk_p, spk_d, spv_p, spv_d, lo, full, 0, i, d, d_ok,
-                                scale_log2, BLOCK_N, False, False, IEEE, DOT_F32)
-        m, l, acc = _attend(m, l, acc, q, PKh, PVh, spk_p, spk_d, spv_p, spv_d, full, hi, 0, i, d, d_ok, scale_log2,
-                            BLOCK_N, True, False, IEEE, DOT_F32)
+            m, l, acc = _attend(m, l, acc, q, PKh, PVh, pk_st[1], pk_st[2], pv_st[1], pv_st[2], lo, full, 0, i, d,
+                                d_ok, scale_log2, BLOCK_N, False, False, IEEE, DOT_F32)
+        m, l, acc = _attend(m, l, acc, q, PKh, PVh, pk_st[1], pk_st[2], pv_st[1], pv_st[2], full, hi, 0, i, d, d_ok,
+                            scale_log2, BLOCK_N, True, False, IEEE, DOT_F32)
         _store_partial(PO, PLSE, split, h, H_kv, N, n, n_ok, m, l, acc, d, d_ok, D)
 
     @triton.jit
@@ -284,7 +375,7 @@ if triton is not None:
         s = tl.arange(0, BLOCK_S)
         ok = n_ok[:, None] & (s < slots)[None, :]
         base = (s[None, :] * H_kv + h) * N + n[:, None]
-        x = tl.load(PLSE + base, mask=ok, other=float("-inf")) * 1.4426950408889634
+        x = tl.load(PLSE + base, mask=ok, other=float("-inf")) * _LOG2E
         o = tl.load(PO + base[:, :, None] * D + d[None, None, :], mask=ok[:, :, None] & d_ok[None, None, :],
                     other=0.0).to(tl.float32)  # [BLOCK_M, BLOCK_S, BLOCK_D]
         m_new = tl.maximum(m, tl.max(x, 1))
@@ -296,17 +387,16 @@ if triton is not None:
         return acc / tl.where(l == 0.0, 1.0, l)[:, None]
 
     @triton.jit
-    def _suffix_state(Q, SK, SV, LENS, END, b, h, qh, i, r_ok, d, d_ok, sq_b, sq_h, sq_l, sq_d,
-                      ssk_b, ssk_h, ssk_s, ssk_d, ssv_b, ssv_h, ssv_s, ssv_d, L_q, L_s, scale_log2, split, suffix_per,
-                      HAS_LENS: tl.constexpr, HAS_END: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                      BLOCK_D: tl.constexpr, IEEE: tl.constexpr, DOT_F32: tl.constexpr):
+    def _suffix_state(Q, q_st, SK, sk_st, SV, sv_st, LENS, END, b, h, qh, i, r_ok, d, d_ok, L_q, L_s, scale_log2,
+                      split, suffix_per, HAS_LENS: tl.constexpr, HAS_END: tl.constexpr, BLOCK_M: tl.constexpr,
+                      BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, IEEE: tl.constexpr, DOT_F32: tl.constexpr):
         """The running ``(m, l, acc)`` of row b's queries (query heads ``qh``, positions ``i``) over one split of its
         own left-padded suffix in KV head ``h``."""
-        q = tl.load(Q + b * sq_b + qh[:, None] * sq_h + i[:, None] * sq_l + d[None, :] * sq_d,
+        q = tl.load(Q + b * q_st[0] + qh[:, None] * q_st[1] + i[:, None] * q_st[2] + d[None, :] * q_st[3],
                     mask=r_ok[:, None] & d_ok[None, :], other=0.0)
         end = L_s
-        if HAS_END:  # a static buffer: only the first `end` positions are filled
-            end = tl.load(END).to(tl.int32)
+        if HAS_END:  # a static buffer: only the first `end` positions are filled (never read past L_s, whatever END)
+            end = tl.minimum(tl.load(END).to(tl.int32), L_s)
         first = 0
         if HAS_LENS:  # left padding ends here
             first = tl.maximum(end - tl.load(LENS + b).to(tl.int32), 0)
@@ -314,21 +404,21 @@ if triton is not None:
         hi = tl.minimum(lo + suffix_per * BLOCK_N, end)
         lo = tl.maximum(lo, (first // BLOCK_N) * BLOCK_N)  # skip whole tiles of padding
         m, l, acc = _empty(BLOCK_M, BLOCK_D)
-        return _attend(m, l, acc, q, SK + b * ssk_b + h * ssk_h, SV + b * ssv_b + h * ssv_h, ssk_s, ssk_d,
-                       ssv_s, ssv_d, lo, hi, first, end - L_q + i, d, d_ok, scale_log2,
+        return _attend(m, l, acc, q, SK + b * sk_st[0] + h * sk_st[1], SV + b * sv_st[0] + h * sv_st[1], sk_st[2],
+                       sk_st[3], sv_st[2], sv_st[3], lo, hi, first, end - L_q + i, d, d_ok, scale_log2,
                        BLOCK_N, True, True, IEEE, DOT_F32)
 
     @triton.jit
-    def _suffix_unit(Q, SK, SV, LENS, END, PO, PLSE, O, w, h, H_kv, sq_b, sq_h, sq_l, sq_d,
-                     ssk_b, ssk_h, ssk_s, ssk_d, ssv_b, ssv_h, ssv_s, ssv_d, so_b, so_h, so_l, so_d,
-                     N, L_q, L_s, G, D, scale_log2, prefix_splits, suffix_blocks, suffix_splits, suffix_per,
-                     HAS_LENS: tl.constexpr, HAS_END: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                     BLOCK_D: tl.constexpr, IEEE: tl.constexpr, DOT_F32: tl.constexpr, FUSE: tl.constexpr,
-                     PDL: tl.constexpr, PAIR: tl.constexpr = False):
+    def _suffix_unit(Q, q_st, SK, sk_st, SV, sv_st, LENS, END, PO, PLSE, O, o_st, w, h, H_kv, dims, scale_log2,
+                     prefix_splits, suffix_plan, HAS_LENS: tl.constexpr, HAS_END: tl.constexpr,
+                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, IEEE: tl.constexpr,
+                     DOT_F32: tl.constexpr, FUSE: tl.constexpr, PDL: tl.constexpr, PAIR: tl.constexpr = False):
         """Row b's queries r = g * L_q + i against one split of its own suffix -> slot prefix_splits + split. ``FUSE``
         > 0 (one suffix split, prefix partials written by an earlier launch, ``FUSE >= prefix_splits`` a power of
         two): merge with them and write ``O`` instead. ``PAIR`` (with ``FUSE``, one suffix block and split): unit
-        ``w`` is rows ``2w`` and ``2w + 1``, both streamed before the wait (see ``SUFFIX_PAIR_ABOVE``)."""
+        ``w`` is rows ``2w`` and ``2w + 1``, both streamed before the wait (see ``KernelConfig.suffix_pair_above``)."""
+        N, P, L_q, L_s, G, D = dims
+        suffix_blocks, suffix_splits, suffix_per = suffix_plan
         rb, split, b = w % suffix_blocks, (w // suffix_blocks) % suffix_splits, w // (suffix_blocks * suffix_splits)
         if PAIR:
             b = 2 * w
@@ -337,65 +427,64 @@ if triton is not None:
         qh, i = h * G + r // L_q, r % L_q
         d = tl.arange(0, BLOCK_D)
         d_ok = d < D
-        m, l, acc = _suffix_state(Q, SK, SV, LENS, END, b, h, qh, i, r_ok, d, d_ok, sq_b, sq_h, sq_l, sq_d, ssk_b,
-                                  ssk_h, ssk_s, ssk_d, ssv_b, ssv_h, ssv_s, ssv_d, L_q, L_s, scale_log2, split,
-                                  suffix_per, HAS_LENS, HAS_END, BLOCK_M, BLOCK_N, BLOCK_D, IEEE, DOT_F32)
+        m, l, acc = _suffix_state(Q, q_st, SK, sk_st, SV, sv_st, LENS, END, b, h, qh, i, r_ok, d, d_ok, L_q, L_s,
+                                  scale_log2, split, suffix_per, HAS_LENS, HAS_END, BLOCK_M, BLOCK_N, BLOCK_D, IEEE,
+                                  DOT_F32)
         n = b * G * L_q + r
         if PAIR:  # an odd batch's last pair streams row B-1 twice and stores it once
             rows = N // (G * L_q)  # batch rows B
             b1 = tl.minimum(b + 1, rows - 1)
             ok1 = r_ok & (r * 0 + b + 1 < rows)  # a full tensor: the interpreter ands a 0-d bool as int
-            m1, l1, acc1 = _suffix_state(Q, SK, SV, LENS, END, b1, h, qh, i, r_ok, d, d_ok, sq_b, sq_h, sq_l, sq_d,
-                                         ssk_b, ssk_h, ssk_s, ssk_d, ssv_b, ssv_h, ssv_s, ssv_d, L_q, L_s, scale_log2,
-                                         split, suffix_per, HAS_LENS, HAS_END, BLOCK_M, BLOCK_N, BLOCK_D, IEEE,
-                                         DOT_F32)
+            m1, l1, acc1 = _suffix_state(Q, q_st, SK, sk_st, SV, sv_st, LENS, END, b1, h, qh, i, r_ok, d, d_ok, L_q,
+                                         L_s, scale_log2, split, suffix_per, HAS_LENS, HAS_END, BLOCK_M, BLOCK_N,
+                                         BLOCK_D, IEEE, DOT_F32)
         if FUSE:
             # PDL: this launch started before the prefix launch finished; every program waits for it here, which
             # also makes whatever follows this launch in the stream follow the prefix launch
             if PDL:
                 tl.extra.cuda.gdc_wait()
             out = _merge_slots(PO, PLSE, m, l, acc, h, H_kv, N, n, r_ok, d, d_ok, D, prefix_splits, FUSE)
-            _store_out(O, so_b, so_h, so_l, so_d, n, r_ok, h, G, L_q, d, d_ok, out)
+            _store_out(O, o_st, n, r_ok, h, G, L_q, d, d_ok, out)
             if PAIR:
                 out = _merge_slots(PO, PLSE, m1, l1, acc1, h, H_kv, N, n + G * L_q, ok1, d, d_ok, D, prefix_splits,
                                    FUSE)
-                _store_out(O, so_b, so_h, so_l, so_d, n + G * L_q, ok1, h, G, L_q, d, d_ok, out)
+                _store_out(O, o_st, n + G * L_q, ok1, h, G, L_q, d, d_ok, out)
         else:
             _store_partial(PO, PLSE, prefix_splits + split, h, H_kv, N, n, r_ok, m, l, acc, d, d_ok, D)
 
+    # Strides travel as one tuple per tensor (q_st: query [B, H_q, L_q, D]; pk_st/pv_st: prefix [H_kv, P, D]; sk_st/
+    # sv_st: suffix [B, H_kv, L_s, D]; o_st: output [B, H_q, L_q, D]), sizes as dims = (N, P, L_q, L_s, G, D) and the
+    # work split as (blocks, splits, tiles per split) per kind. Triton flattens tuples into the same scalar
+    # parameters, each specialised as before (a unit stride stays a constant), so the compiled code is unchanged.
     @triton.jit
-    def _partials_kernel(Q, PK, PV, KD, VD, SK, SV, LENS, END, PO, PLSE, O,
-                         sq_b, sq_h, sq_l, sq_d, spk_h, spk_p, spk_d, spv_h, spv_p, spv_d,
-                         ssk_b, ssk_h, ssk_s, ssk_d, ssv_b, ssv_h, ssv_s, ssv_d, so_b, so_h, so_l, so_d,
-                         N, P, L_q, L_s, G, D, scale_log2,
-                         prefix_blocks, prefix_splits, prefix_per, suffix_blocks, suffix_splits, suffix_per,
+    def _partials_kernel(Q, PK, PV, KD, VD, SK, SV, LENS, END, PO, PLSE, O, q_st, pk_st, pv_st, sk_st, sv_st, o_st,
+                         dims, scale_log2, prefix_plan, suffix_plan,
                          HAS_LENS: tl.constexpr, HAS_END: tl.constexpr,
                          BLOCK_MP: tl.constexpr, BLOCK_MS: tl.constexpr, BLOCK_N: tl.constexpr,
                          BLOCK_D: tl.constexpr, IEEE: tl.constexpr, DOT_F32: tl.constexpr, KIND: tl.constexpr,
                          FUSE: tl.constexpr, TMA: tl.constexpr, PDL: tl.constexpr, PAIR: tl.constexpr = False):
-        """``KIND`` 0: prefix and suffix units in one grid; 1: prefix units only; 2: suffix units only (a launch of
-        one kind compiles only that kind, so its tiles, shared memory and registers are its own). ``FUSE`` (KIND 2
-        after a KIND 1 launch, one suffix split): each suffix unit merges its rows and writes ``O``."""
+        """``KIND``: ``KIND_BOTH`` prefix and suffix units in one grid, ``KIND_PREFIX`` prefix units only,
+        ``KIND_SUFFIX`` suffix units only (a launch of one kind compiles only that kind, so its tiles, shared memory
+        and registers are its own). ``FUSE`` (a ``KIND_SUFFIX`` launch after a ``KIND_PREFIX`` one, one suffix split):
+        each suffix unit merges its rows and writes ``O``."""
         u, h = tl.program_id(0), tl.program_id(1)
-        if PDL and KIND == 1:  # the suffix launch may start now; it waits for this one before reading its partials
+        if PDL and KIND == KIND_PREFIX:  # the suffix launch may start now; it waits for this one before its merge
             tl.extra.cuda.gdc_launch_dependents()
         H_kv = tl.num_programs(1)
-        if KIND == 2:
+        prefix_blocks, prefix_splits, prefix_per = prefix_plan
+        if KIND == KIND_SUFFIX:
             u += prefix_blocks * prefix_splits
         # prefix units first (they share tiles through L2), then suffix units; both kinds in one wave
-        if KIND != 2 and (KIND == 1 or u < prefix_blocks * prefix_splits):
-            _prefix_unit(Q, PK, PV, KD, VD, PO, PLSE, u, h, H_kv, sq_b, sq_h, sq_l, sq_d, spk_h, spk_p, spk_d,
-                         spv_h, spv_p, spv_d, N, P, L_q, G, D, scale_log2, prefix_blocks, prefix_per,
-                         BLOCK_MP, BLOCK_N, BLOCK_D, IEEE, DOT_F32, TMA)
+        if KIND != KIND_SUFFIX and (KIND == KIND_PREFIX or u < prefix_blocks * prefix_splits):
+            _prefix_unit(Q, q_st, PK, pk_st, PV, pv_st, KD, VD, PO, PLSE, u, h, H_kv, dims, scale_log2,
+                         prefix_blocks, prefix_per, BLOCK_MP, BLOCK_N, BLOCK_D, IEEE, DOT_F32, TMA)
         else:
-            _suffix_unit(Q, SK, SV, LENS, END, PO, PLSE, O, u - prefix_blocks * prefix_splits, h, H_kv,
-                         sq_b, sq_h, sq_l, sq_d, ssk_b, ssk_h, ssk_s, ssk_d, ssv_b, ssv_h, ssv_s, ssv_d,
-                         so_b, so_h, so_l, so_d, N, L_q, L_s, G, D, scale_log2, prefix_splits, suffix_blocks,
-                         suffix_splits, suffix_per, HAS_LENS, HAS_END, BLOCK_MS, BLOCK_N, BLOCK_D, IEEE, DOT_F32,
-                         FUSE, PDL, PAIR)
+            _suffix_unit(Q, q_st, SK, sk_st, SV, sv_st, LENS, END, PO, PLSE, O, o_st,
+                         u - prefix_blocks * prefix_splits, h, H_kv, dims, scale_log2, prefix_splits, suffix_plan,
+                         HAS_LENS, HAS_END, BLOCK_MS, BLOCK_N, BLOCK_D, IEEE, DOT_F32, FUSE, PDL, PAIR)
 
     @triton.jit
-    def _merge_kernel(PO, PLSE, O, so_b, so_h, so_l, so_d, N, L_q, G, D, slots,
+    def _merge_kernel(PO, PLSE, O, o_st, N, L_q, G, D, slots,
                       BLOCK_R: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr):
         """Rows ``n`` of head ``h``: all ``slots`` partials at once (``_merge_slots`` from an empty state), written once
         in ``O``'s dtype; bitwise reproducible."""
@@ -405,7 +494,7 @@ if triton is not None:
         n_ok, d_ok = n < N, d < D
         m, l, acc = _empty(BLOCK_R, BLOCK_D)
         out = _merge_slots(PO, PLSE, m, l, acc, h, tl.num_programs(1), N, n, n_ok, d, d_ok, D, slots, BLOCK_S)
-        _store_out(O, so_b, so_h, so_l, so_d, n, n_ok, h, G, L_q, d, d_ok, out)
+        _store_out(O, o_st, n, n_ok, h, G, L_q, d, d_ok, out)
 
 
 class _Plan(NamedTuple):
@@ -422,7 +511,7 @@ class _Plan(NamedTuple):
     s_per: int
     fuse_slots: int  # > 0: the suffix launch merges the prefix slots in a tile this wide (power of two); 0: no
     pdl: bool  # the fused suffix launch starts while the prefix launch runs (PDL; a prefix, Hopper+)
-    pair: bool  # each fused suffix program streams two batch rows (see SUFFIX_PAIR_ABOVE)
+    pair: bool  # each fused suffix program streams two batch rows (see KernelConfig.suffix_pair_above)
     rows: int  # batch rows B
 
     @property
@@ -441,102 +530,276 @@ class _Plan(NamedTuple):
         return (triton.cdiv(self.rows, 2) if self.pair else self.rows) * self.s_blocks * self.s_splits
 
 
-def _plan(B: int, N: int, G: int, L_q: int, P: int, L_s: int, H_kv: int, D: int, device: torch.device) -> _Plan:
-    block_d, block_n, warps, stages = _tile(D)
-    sep = SEPARATE_ROWS[0] <= N <= SEPARATE_ROWS[1]  # layout rule: see SEPARATE_ROWS
+@functools.lru_cache(maxsize=1024)
+def _plan(B: int, N: int, G: int, L_q: int, P: int, L_s: int, H_kv: int, D: int, num_sms: int, hopper: bool,
+          config: KernelConfig = DEFAULT_CONFIG) -> _Plan:
+    """The launch layout for these sizes on ``num_sms`` SMs (``hopper``: a CUDA device that can PDL)."""
+    block_d = _block_d(D)
+    block_n, warps, stages = _row(config.tiles, block_d)
+    sep = config.separate_rows[0] <= N <= config.separate_rows[1]  # layout rule: see KernelConfig.separate_rows
     if sep:
-        bm, bn, w, st = PREFIX_TILES[min(max(block_d, 64), 256)]
-        prefix, suffix = (_block_m(N, bm), bn, w, st), (_block_m(G * L_q), *_tile(D, SUFFIX_TILES)[1:])
+        bm, bn, w, st = _row(config.prefix_tiles, block_d)
+        prefix = (_block_m(N, bm), bn, w, st)
+        suffix = (_block_m(G * L_q, config.max_block_m), *_row(config.suffix_tiles, block_d))
     else:
-        prefix, suffix = (_block_m(N), block_n, warps, stages), (_block_m(G * L_q), block_n, warps, stages)
-    sms = _num_sms(device.index or 0)
+        prefix = (_block_m(N, config.max_block_m), block_n, warps, stages)
+        suffix = (_block_m(G * L_q, config.max_block_m), block_n, warps, stages)
     p_blocks, s_blocks = triton.cdiv(N, prefix[0]), triton.cdiv(G * L_q, suffix[0])
-    # the separate layout's prefix launch holds prefix programs only: whole waves of them (see SEPARATE_SPLIT)
-    p_splits, p_per = plan_splits(P, N, H_kv, prefix[0], prefix[1], sms, *(SEPARATE_SPLIT if sep else ()),
-                                  whole_waves=sep)
-    s_splits, s_per = plan_suffix_splits(L_s, B * s_blocks, H_kv, suffix[1], sms)
+    # the separate layout's prefix launch holds prefix programs only: whole waves of them (KernelConfig.separate_split)
+    p_splits, p_per = plan_splits(P, N, H_kv, prefix[0], prefix[1], num_sms,
+                                  *(config.separate_split if sep else ()), whole_waves=sep, config=config)
+    s_splits, s_per = plan_suffix_splits(L_s, B * s_blocks, H_kv, suffix[1], num_sms, config)
     slot_tile = triton.next_power_of_2(max(p_splits, 1))
-    fuse = (sep and s_splits == 1 and p_splits <= FUSED_MERGE_SLOTS and suffix[0] * slot_tile <= FUSED_MERGE_TILE)
-    pdl = PDL and fuse and P > 0 and device.type == "cuda" and _hopper(device.index or 0)
+    fuse = (sep and s_splits == 1 and p_splits <= config.fused_merge_slots
+            and suffix[0] * slot_tile <= config.fused_merge_tile)
+    pdl = config.pdl and fuse and P > 0 and hopper
     plan = _Plan(sep, prefix, suffix, p_blocks, p_splits, p_per, s_blocks, s_splits, s_per,
                  slot_tile if fuse else 0, pdl, False, B)
-    pair = (SUFFIX_PAIR_ABOVE is not None and fuse and s_blocks == 1 and plan.p_units * H_kv <= sms
-            and P >= SUFFIX_PAIR_MIN_PREFIX and plan.s_units * H_kv > SUFFIX_PAIR_ABOVE * sms)
+    pair = (config.suffix_pair_above is not None and fuse and s_blocks == 1 and plan.p_units * H_kv <= num_sms
+            and P >= config.suffix_pair_min_prefix and plan.s_units * H_kv > config.suffix_pair_above * num_sms)
     return plan._replace(pair=pair)
 
 
-def _prefix_descriptors(prefix_key: torch.Tensor, prefix_value: torch.Tensor, block_n: int, block_d: int):
-    """TMA descriptors over ``[H_kv, P, D]`` for the prefix's full tiles, or ``(None, None)`` where TMA cannot run:
-    off Hopper+ (the interpreter emulates it), dtypes other than fp16/bf16, a padded head dim, strides or a base
-    that are not 16-byte aligned."""
-    t = prefix_key
-    ok = (PREFIX_TMA and TensorDescriptor is not None and t.dtype in (torch.float16, torch.bfloat16)
-          and t.shape[-1] == block_d and t.shape[2] > 0
-          and (_interpreting() or (t.is_cuda and _hopper(t.device.index or 0))))
-    for x in (prefix_key, prefix_value):
-        ok = ok and x.stride(3) == 1 and all(x.stride(i) * x.element_size() % 16 == 0 for i in (1, 2)) \
-            and x.data_ptr() % 16 == 0
-    if not ok:
+class _Address:
+    """The ``base`` of a cached TMA descriptor: the address and dtype it was built for, never the tensor, so a cached
+    descriptor keeps no freed prefix alive (a descriptor is a function of address, shape, strides and dtype only)."""
+
+    __slots__ = ("_ptr", "dtype")
+
+    def __init__(self, ptr: int, dtype: torch.dtype):
+        self._ptr, self.dtype = ptr, dtype
+
+    def data_ptr(self) -> int:
+        return self._ptr
+
+
+def _tma_layout_ok(t: torch.Tensor, block_d: int, config: KernelConfig) -> bool:
+    """TMA can load ``t [1, H_kv, P, D]``'s tiles: Hopper+ (or the interpreter, which emulates it), fp16/bf16, an
+    unpadded head dim, unit last stride and 16-byte aligned other strides (the base is checked per call)."""
+    return (config.prefix_tma and TensorDescriptor is not None and t.dtype in (torch.float16, torch.bfloat16)
+            and t.shape[-1] == block_d and t.shape[2] > 0
+            and (_interpreting() or (t.is_cuda and _hopper(t.device.index or 0)))
+            and t.stride(3) == 1 and all(t.stride(i) * t.element_size() % 16 == 0 for i in (1, 2)))
+
+
+def _prefix_descriptors(prefix_key: torch.Tensor, prefix_value: torch.Tensor, block_n: int, block_d: int,
+                        config: KernelConfig = DEFAULT_CONFIG):
+    """TMA descriptors over ``[H_kv, P, D]`` for the prefix's full tiles, or ``(None, None)`` where TMA cannot run
+    (``_tma_layout_ok``, or a base that is not 16-byte aligned). Built on the tensors themselves (what the
+    interpreter reads); cached calls on CUDA use ``_Launch.descriptors``."""
+    if not all(_tma_layout_ok(x, block_d, config) and x.data_ptr() % 16 == 0 for x in (prefix_key, prefix_value)):
         return None, None
     return tuple(TensorDescriptor(x[0], list(x.shape[1:]), list(x.stride()[1:]), [1, block_n, block_d])
                  for x in (prefix_key, prefix_value))
 
 
+_MAX_CACHED_DESCRIPTORS = 256  # per launch plan: a few per layer and prefix; old addresses are dropped first
+
+
+class _Launch:
+    """Everything a call needs besides its tensors, built once per key (``_launch_key``): validated shapes, the plan,
+    scratch sizes, grids and compile-time flags of each launch, and the TMA descriptors of prefix addresses seen."""
+
+    def __init__(self, query, prefix_key, prefix_value, suffix_key, suffix_value, suffix_lengths, suffix_end,
+                 config: KernelConfig):
+        check_relay_inputs(query, prefix_key, prefix_value, suffix_key, suffix_value, suffix_lengths, suffix_end)
+        B, H_q, L_q, D = query.shape
+        H_kv, L_s, P, D_v = suffix_key.shape[1], suffix_key.shape[2], prefix_key.shape[2], suffix_value.shape[-1]
+        if query.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+            raise ValueError(f"the Triton relay kernels take fp16, bf16 or fp32, got {query.dtype}; use "
+                             "relay_attention (which runs the reference for others)")
+        if D_v != D:
+            raise ValueError(f"the Triton relay kernels need the value head dim D_v={D_v} to equal the key head dim "
+                             f"D={D}; relay_attention routes such calls to the reference")
+        device = query.device
+        G, N = H_q // H_kv, B * (H_q // H_kv) * L_q
+        self.dtype, self.device, self.out_shape = query.dtype, device, (B, L_q, H_q, D)
+        self.empty = N * D == 0
+        self.check_values = device.type == "cpu"  # value checks cost no sync only there (check_relay_values)
+        self.L_q, self.L_s = L_q, L_s
+        self.scale_log2 = default_scale(D) * LOG2E
+        if self.empty:
+            return
+        cuda = device.type == "cuda"
+        num_sms = config.num_sms or _num_sms(device.index or 0)
+        plan = _plan(B, N, G, L_q, P, L_s, H_kv, D, num_sms, cuda and _hopper(device.index or 0), config)
+        self.plan = plan
+        (block_mp, block_n, warps, stages), (block_ms, block_ns, warps_s, stages_s) = plan.prefix, plan.suffix
+        block_d = _block_d(D)
+        slots = plan.p_splits + (0 if plan.fuse else plan.s_splits)
+        half = config.partial_half and query.dtype in (torch.float16, torch.bfloat16)
+        self.po_shape, self.po_dtype = (max(slots, 1), H_kv, N, D), (query.dtype if half else torch.float32)
+        self.plse_shape = (max(slots, 1), H_kv, N)
+        self.pk_st, self.pv_st = prefix_key.stride()[1:], prefix_value.stride()[1:]
+        self.dims = (N, P, L_q, L_s, G, D)
+        self.prefix_plan = (plan.p_blocks, plan.p_splits, plan.p_per)
+        self.suffix_plan = (plan.s_blocks, plan.s_splits, plan.s_per)
+        # TMA where the layout allows; a call whose prefix base is not 16-byte aligned takes the pointer loads
+        self.tma = all(_tma_layout_ok(x, block_d, config) for x in (prefix_key, prefix_value))
+        self.tma_block = [1, block_n, block_d]
+        self.tma_shapes = [list(x.shape[1:]) for x in (prefix_key, prefix_value)]
+        self.descs: dict[tuple[int, int], tuple] = {}
+        self.interpreted = _interpreting()
+        # the CPU interpreter's tl.dot cannot multiply bf16 (numpy has no bf16): upcast there, only there
+        flags = dict(HAS_LENS=suffix_lengths is not None, HAS_END=suffix_end is not None, BLOCK_MP=block_mp,
+                     BLOCK_MS=block_ms, BLOCK_D=block_d, IEEE=query.dtype == torch.float32, PDL=plan.pdl,
+                     DOT_F32=query.dtype == torch.bfloat16 and self.interpreted)
+        if not plan.sep:
+            launches = [((plan.p_units + plan.s_units, H_kv, 1),
+                         dict(flags, BLOCK_N=block_n, KIND=KIND_BOTH, FUSE=0, num_warps=warps, num_stages=stages))]
+        else:
+            launches = [((plan.p_units, H_kv, 1), dict(flags, BLOCK_N=block_n, KIND=KIND_PREFIX, FUSE=0,
+                                                    num_warps=warps, num_stages=stages))] if plan.p_units else []
+            launches.append(((plan.s_units, H_kv, 1), dict(flags, BLOCK_N=block_ns, KIND=KIND_SUFFIX,
+                                                        FUSE=plan.fuse_slots, num_warps=warps_s, num_stages=stages_s,
+                                                        launch_pdl=plan.pdl, PAIR=plan.pair)))
+        # grids are (x, y, 1), as a compiled kernel's launcher takes them; both variants of the TMA flag, picked per
+        # call by the prefix base's alignment
+        self.launches = {tma: [(grid, dict(kw, TMA=tma)) for grid, kw in launches] for tma in (False, True)}
+        self.merge = None
+        if not plan.fuse:
+            tile, merge_warps = config.merge_tile
+            block_s = triton.next_power_of_2(slots)
+            rows = max(1, tile // block_s)
+            self.merge = ((triton.cdiv(N, rows), H_kv, 1), (N, L_q, G, D, slots),
+                          dict(BLOCK_R=rows, BLOCK_S=block_s, BLOCK_D=block_d, num_warps=merge_warps))
+        # compiled kernels of this plan by reuse key (see relay_attention_triton), with their constexpr arguments in
+        # parameter order: a compiled kernel is launched with every parameter's value, constexprs included
+        self.reuse = config.reuse_compiled and CompiledKernel is not None and not self.interpreted
+        self.compiled: dict[tuple, tuple] = {}
+        if self.reuse:
+            self.tails = {tma: [_constexpr_tail(_partials_kernel, kw) for _, kw in variant]
+                          for tma, variant in self.launches.items()}
+            self.merge_tail = None if self.merge is None else _constexpr_tail(_merge_kernel, self.merge[2])
+
+    def descriptors(self, prefix_key: torch.Tensor, prefix_value: torch.Tensor):
+        """``(kd, vd)`` TMA descriptors for this call's prefix, or ``(None, None)``: pointer loads. Reused while the
+        prefix sits at the same addresses (every decode step of a layer); rebuilt per call under the interpreter,
+        which reads the tensors through them."""
+        if not self.tma:
+            return None, None
+        ptrs = (prefix_key.data_ptr(), prefix_value.data_ptr())
+        if self.interpreted:
+            if ptrs[0] % 16 or ptrs[1] % 16:
+                return None, None
+            return tuple(TensorDescriptor(x[0], shape, list(st), self.tma_block)
+                         for x, shape, st in zip((prefix_key, prefix_value), self.tma_shapes, (self.pk_st, self.pv_st)))
+        descs = self.descs.get(ptrs)
+        if descs is None:
+            if ptrs[0] % 16 or ptrs[1] % 16:
+                descs = (None, None)
+            else:
+                descs = tuple(TensorDescriptor(_Address(ptr, self.dtype), shape, list(st), self.tma_block)
+                              for ptr, shape, st in zip(ptrs, self.tma_shapes, (self.pk_st, self.pv_st)))
+            if len(self.descs) >= _MAX_CACHED_DESCRIPTORS:
+                self.descs.pop(next(iter(self.descs)))
+            self.descs[ptrs] = descs
+        return descs
+
+
+def _constexpr_tail(kernel, flags: dict) -> tuple:
+    """The values of ``kernel``'s constexpr parameters (all after its runtime ones), as Triton's launcher passes them
+    to a compiled kernel: from ``flags``, else the parameter's default."""
+    params = list(inspect.signature(kernel.fn).parameters.values())
+    tail = [i for i, p in enumerate(params) if "constexpr" in str(p.annotation)]
+    assert tail == list(range(tail[0], len(params))), "constexpr parameters must come last"
+    return tuple(flags[p.name] if p.name in flags else p.default for p in params[tail[0]:])
+
+
+_MAX_COMPILED = 64  # reuse keys per plan (argument layouts); beyond, the oldest is dropped
+_LAUNCHES: dict[tuple, _Launch] = {}
+_MAX_LAUNCHES = 512  # distinct keys kept (a dynamic cache grows L_s by one a step: one key per step, not per layer)
+
+
+def _launch_key(query, prefix_key, prefix_value, suffix_key, suffix_value, suffix_lengths, suffix_end, config):
+    """Every fact the plan and the input checks depend on: shapes, dtypes and devices of all tensors, the prefix
+    strides (TMA) and the config. Strides of the other tensors are launch arguments, not plan inputs."""
+    return (query.shape, query.dtype, query.device, prefix_key.shape, prefix_key.dtype, prefix_key.device,
+            prefix_key.stride(), prefix_value.shape, prefix_value.dtype, prefix_value.device, prefix_value.stride(),
+            suffix_key.shape, suffix_key.dtype, suffix_key.device, suffix_value.shape, suffix_value.dtype,
+            suffix_value.device,
+            None if suffix_lengths is None else (suffix_lengths.shape, suffix_lengths.dtype, suffix_lengths.device),
+            None if suffix_end is None else (suffix_end.shape, suffix_end.dtype, suffix_end.device), config)
+
+
 def relay_attention_triton(query: torch.Tensor, prefix_key: torch.Tensor, prefix_value: torch.Tensor,
                            suffix_key: torch.Tensor, suffix_value: torch.Tensor, *, scale: float | None = None,
                            suffix_lengths: torch.Tensor | None = None, suffix_end: torch.Tensor | None = None,
-                           out: torch.Tensor | None = None) -> torch.Tensor:
-    """Triton relay attention; contract of ``relay_hf.relay_attention``.
+                           out: torch.Tensor | None = None, config: KernelConfig | None = None) -> torch.Tensor:
+    """Triton relay attention; contract of ``relay_hf.relay_attention`` (fp16, bf16 or fp32; value head dim equal to
+    the key head dim; ``scale > 0``).
 
-    ``out`` (optional) is a ``[B, H_q, L_q, D]`` tensor to write into; by default it is allocated as the transpose
-    of a contiguous ``[B, L_q, H_q, D]`` buffer, so the HF seam's ``transpose(1, 2).contiguous()`` is free.
-    Scratch: partials ``[slots, H_kv, B*G*L_q, D]`` (the input dtype for fp16/bf16 with ``PARTIAL_HALF``, else fp32)
-    and fp32 natural-log LSEs ``[slots, H_kv, B*G*L_q]``.
+    ``out`` (optional) is a ``[B, H_q, L_q, D]`` tensor of the query's dtype and device to write into; by default it
+    is allocated as the transpose of a contiguous ``[B, L_q, H_q, D]`` buffer, so the HF seam's
+    ``transpose(1, 2).contiguous()`` is free. ``config``: the kernel configuration (``None``: the one ``use_config``
+    set, else ``DEFAULT_CONFIG``). Scratch: partials ``[slots, H_kv, B*G*L_q, D]`` (the input dtype for fp16/bf16 with
+    ``partial_half``, else fp32) and fp32 natural-log LSEs ``[slots, H_kv, B*G*L_q]``.
+
+    The values of ``suffix_lengths`` and ``suffix_end`` are checked on CPU only (``check_relay_values``): on CUDA that
+    would sync the host every layer.
     """
-    check_relay_inputs(query, prefix_key, prefix_value, suffix_key, suffix_value, suffix_lengths, suffix_end)
-    B, H_q, L_q, D = query.shape
-    H_kv, L_s, P = suffix_key.shape[1], suffix_key.shape[2], prefix_key.shape[2]
-    G, N = H_q // H_kv, B * (H_q // H_kv) * L_q
-    scale = D ** -0.5 if scale is None else scale
-    if not scale > 0:  # the kernels fold the scale into exp2 after the row max, which needs scale > 0
-        raise ValueError(f"the Triton relay kernel needs scale > 0, got {scale}; use relay_attention_torch")
-    if out is None:
-        out = torch.empty(B, L_q, H_q, D, dtype=query.dtype, device=query.device).transpose(1, 2)
-    plan = _plan(B, N, G, L_q, P, L_s, H_kv, D, query.device)
-    (block_mp, block_n, warps, stages), (block_ms, block_ns, warps_s, stages_s) = plan.prefix, plan.suffix
-    block_d = _tile(D)[0]
-    slots = plan.p_splits + (0 if plan.fuse else plan.s_splits)
-    half = PARTIAL_HALF and query.dtype in (torch.float16, torch.bfloat16)
-    po = torch.empty(max(slots, 1), H_kv, N, D, dtype=query.dtype if half else torch.float32, device=query.device)
-    plse = torch.empty(max(slots, 1), H_kv, N, dtype=torch.float32, device=query.device)
-    lens = suffix_lengths if suffix_lengths is not None else plse  # placeholders, never read when absent
-    end = suffix_end if suffix_end is not None else plse
-    kd, vd = _prefix_descriptors(prefix_key, prefix_value, block_n, block_d)
-    args = (query, prefix_key, prefix_value, kd, vd, suffix_key, suffix_value, lens, end, po, plse, out,
-            *query.stride(), *prefix_key.stride()[1:], *prefix_value.stride()[1:],
-            *suffix_key.stride(), *suffix_value.stride(), *out.stride(), N, P, L_q, L_s, G, D, scale * LOG2E,
-            plan.p_blocks, plan.p_splits, plan.p_per, plan.s_blocks, plan.s_splits, plan.s_per)
-    # the CPU interpreter's tl.dot cannot multiply bf16 (numpy has no bf16): upcast there, only there
-    flags = dict(HAS_LENS=suffix_lengths is not None, HAS_END=suffix_end is not None, BLOCK_MP=block_mp,
-                 BLOCK_MS=block_ms, BLOCK_D=block_d, IEEE=query.dtype == torch.float32, TMA=kd is not None,
-                 PDL=plan.pdl, DOT_F32=query.dtype == torch.bfloat16 and _interpreting())
-    if not plan.sep:
-        _partials_kernel[(plan.p_units + plan.s_units, H_kv)](*args, **flags, BLOCK_N=block_n, KIND=0, FUSE=0,
-                                                              num_warps=warps, num_stages=stages)
+    if config is None:
+        config = _ACTIVE_CONFIG.get()
+    elif not isinstance(config, KernelConfig):
+        raise ValueError(f"config must be a KernelConfig, got {type(config).__name__}")
+    key = _launch_key(query, prefix_key, prefix_value, suffix_key, suffix_value, suffix_lengths, suffix_end, config)
+    launch = _LAUNCHES.get(key)
+    if launch is None:
+        launch = _Launch(query, prefix_key, prefix_value, suffix_key, suffix_value, suffix_lengths, suffix_end,
+                         config)
+        if len(_LAUNCHES) >= _MAX_LAUNCHES:
+            _LAUNCHES.pop(next(iter(_LAUNCHES)))
+        _LAUNCHES[key] = launch
+    if launch.check_values:
+        check_relay_values(launch.L_q, launch.L_s, suffix_lengths, suffix_end)
+    if scale is None:
+        scale_log2 = launch.scale_log2
+    elif scale > 0:  # the kernels fold the scale into exp2 after the row max, which needs scale > 0
+        scale_log2 = scale * LOG2E
     else:
-        if plan.p_units:
-            _partials_kernel[(plan.p_units, H_kv)](*args, **flags, BLOCK_N=block_n, KIND=1, FUSE=0,
-                                                   num_warps=warps, num_stages=stages)
-        _partials_kernel[(plan.s_units, H_kv)](*args, **flags, BLOCK_N=block_ns, KIND=2, FUSE=plan.fuse_slots,
-                                               num_warps=warps_s, num_stages=stages_s, launch_pdl=plan.pdl,
-                                               PAIR=plan.pair)
-    if plan.fuse:
+        raise ValueError(f"the Triton relay kernel needs scale > 0, got {scale}; use relay_attention_torch")
+    B, L_q, H_q, D = launch.out_shape
+    if out is None:
+        out = torch.empty(launch.out_shape, dtype=launch.dtype, device=launch.device).transpose(1, 2)
+    elif out.shape != (B, H_q, L_q, D) or out.dtype != launch.dtype or out.device != launch.device:
+        raise ValueError(f"out must be a {launch.dtype} [{B}, {H_q}, {L_q}, {D}] tensor on {launch.device}, got "
+                         f"{out.dtype} {tuple(out.shape)} on {out.device}")
+    if launch.empty:
         return out
-    tile, merge_warps = MERGE_TILE
-    block_s = triton.next_power_of_2(slots)
-    rows = max(1, tile // block_s)
-    _merge_kernel[(triton.cdiv(N, rows), H_kv)](po, plse, out, *out.stride(), N, L_q, G, D, slots,
-                                                BLOCK_R=rows, BLOCK_S=block_s, BLOCK_D=block_d, num_warps=merge_warps)
+    po = torch.empty(launch.po_shape, dtype=launch.po_dtype, device=launch.device)
+    plse = torch.empty(launch.plse_shape, dtype=torch.float32, device=launch.device)
+    kd, vd = launch.descriptors(prefix_key, prefix_value)
+    tma = kd is not None
+    q_st, sk_st, sv_st, o_st = query.stride(), suffix_key.stride(), suffix_value.stride(), out.stride()
+    lens = plse if suffix_lengths is None else suffix_lengths  # placeholders, never read when absent
+    end = plse if suffix_end is None else suffix_end
+    args = (query, prefix_key, prefix_value, kd, vd, suffix_key, suffix_value, lens, end, po, plse, out,
+            q_st, launch.pk_st, launch.pv_st, sk_st, sv_st, o_st,
+            launch.dims, scale_log2, launch.prefix_plan, launch.suffix_plan)
+    reuse_key = None
+    if launch.reuse:
+        # Triton specialises a kernel on its arguments' values (a unit stride, multiples of 16, 16-byte aligned
+        # pointers): the plan key fixes all but the strides and alignment of these tensors, so those are this key;
+        # scratch (po, plse) comes from the caching allocator, always aligned
+        aligned = (query.data_ptr() | prefix_key.data_ptr() | prefix_value.data_ptr() | suffix_key.data_ptr()
+                   | suffix_value.data_ptr() | lens.data_ptr() | end.data_ptr() | out.data_ptr()) % 16 == 0
+        if aligned:
+            reuse_key = (torch.cuda.current_device(), tma, q_st, sk_st, sv_st, o_st)
+            compiled = launch.compiled.get(reuse_key)
+            if compiled is not None:
+                for (grid, _), tail, kernel in zip(launch.launches[tma], launch.tails[tma], compiled):
+                    kernel[grid](*args, *tail)
+                if launch.merge is not None:
+                    compiled[-1][launch.merge[0]](po, plse, out, o_st, *launch.merge[1], *launch.merge_tail)
+                return out
+    compiled = [_partials_kernel[grid](*args, **flags) for grid, flags in launch.launches[tma]]
+    if launch.merge is not None:
+        grid, sizes, flags = launch.merge
+        compiled.append(_merge_kernel[grid](po, plse, out, o_st, *sizes, **flags))
+    if reuse_key is not None and all(isinstance(k, CompiledKernel) for k in compiled):
+        if len(launch.compiled) >= _MAX_COMPILED:
+            launch.compiled.pop(next(iter(launch.compiled)))
+        launch.compiled[reuse_key] = tuple(compiled)
     return out
 
 
@@ -545,4 +808,5 @@ def bytes_moved(B: int, H_q: int, H_kv: int, L_q: int, P: int, L_s: int, D: int,
     return itemsize * (2 * H_kv * P * D + 2 * B * H_kv * L_s * D + 2 * B * H_q * L_q * D)
 
 
-__all__ = ["relay_attention_triton", "triton_available", "plan_splits", "plan_suffix_splits", "bytes_moved"]
+__all__ = ["DEFAULT_CONFIG", "KernelConfig", "bytes_moved", "plan_splits", "plan_suffix_splits",
+           "relay_attention_triton", "triton_available", "use_config"]

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from relay_hf.kernels import reference
-from relay_hf.kernels.reference import merge_partials, relay_attention_torch
+from relay_hf.kernels.reference import DEFAULT_REFERENCE_CONFIG, ReferenceConfig, merge_partials, relay_attention_torch
 from tests.conftest import dense_reference, rel_err
 
 
@@ -27,18 +27,18 @@ GRID = list(itertools.product([0, 1, 37, 300], [1, 5], [False, True], [1, 3, 4, 
 
 
 @pytest.fixture(params=[True, False], ids=["fused prefix", "written-out prefix"])
-def fused(request, monkeypatch):
-    """Both fp32 CPU prefix paths: torch's fused flash kernel and the written-out softmax (``CPU_FUSED_PREFIX``)."""
-    if request.param and not reference.CPU_FUSED_PREFIX:
+def prefix_config(request):
+    """Both fp32 CPU prefix paths: torch's fused flash kernel and the written-out softmax
+    (``ReferenceConfig.fused_prefix``)."""
+    if request.param and not reference.HAS_CPU_FLASH:
         pytest.skip("this torch has no fused CPU flash-attention op")
-    monkeypatch.setattr(reference, "CPU_FUSED_PREFIX", request.param)
-    return request.param
+    return ReferenceConfig(fused_prefix=request.param)
 
 
 @pytest.mark.parametrize("P,L_q,padded,G", GRID)
-def test_relay_matches_float64_dense(P, L_q, padded, G, fused):
+def test_relay_matches_float64_dense(P, L_q, padded, G, prefix_config):
     q, pk, pv, sk, sv, lengths = make_inputs(4, 2, G, L_q, 9, P, 32, padded=padded, seed=P * 7 + G)
-    out = relay_attention_torch(q, pk, pv, sk, sv, suffix_lengths=lengths)
+    out = relay_attention_torch(q, pk, pv, sk, sv, suffix_lengths=lengths, config=prefix_config)
     ref = dense_reference(q, pk, pv, sk, sv, suffix_lengths=lengths)
     assert out.shape == q.shape and out.dtype == q.dtype
     assert torch.isfinite(out).all()
@@ -52,23 +52,23 @@ def test_empty_rows_without_prefix_are_zero_not_nan():
     assert out[0].abs().max() == 0 and out[1].abs().max() > 0
 
 
-def test_prefix_chunking_gives_the_same_answer(monkeypatch):
-    monkeypatch.setattr(reference, "CPU_FUSED_PREFIX", False)  # chunking is the written-out path's
+def test_prefix_chunking_gives_the_same_answer():
+    written_out = ReferenceConfig(fused_prefix=False)  # chunking is the written-out path's
     q, pk, pv, sk, sv, lengths = make_inputs(3, 2, 4, 5, 8, 300, 32, padded=True, seed=3)
-    whole = relay_attention_torch(q, pk, pv, sk, sv, suffix_lengths=lengths)
-    monkeypatch.setattr(reference, "_MAX_SCORE_ELEMENTS", 2 * 300 * 7)  # 7 query rows per chunk
-    chunked = relay_attention_torch(q, pk, pv, sk, sv, suffix_lengths=lengths)
+    whole = relay_attention_torch(q, pk, pv, sk, sv, suffix_lengths=lengths, config=written_out)
+    chunks = ReferenceConfig(fused_prefix=False, max_score_elements=2 * 300 * 7)  # 7 query rows per chunk
+    chunked = relay_attention_torch(q, pk, pv, sk, sv, suffix_lengths=lengths, config=chunks)
     assert rel_err(chunked, whole) < 1e-6
 
 
-def test_fused_prefix_lse_is_natural_log_and_matches_the_written_out_pass(monkeypatch):
+def test_fused_prefix_lse_is_natural_log_and_matches_the_written_out_pass():
     """The fused CPU op's LSE feeds the merge: it must be the natural-log LSE of the scaled scores, like ours."""
-    if not reference.CPU_FUSED_PREFIX:
+    if not reference.HAS_CPU_FLASH:
         pytest.skip("this torch has no fused CPU flash-attention op")
+    assert DEFAULT_REFERENCE_CONFIG.fused_prefix
     q, pk, pv, *_ = make_inputs(3, 2, 4, 5, 8, 300, 32, seed=4)
     out_f, lse_f = reference.prefix_attention_torch(q, pk, pv, 0.3)
-    monkeypatch.setattr(reference, "CPU_FUSED_PREFIX", False)
-    out_w, lse_w = reference.prefix_attention_torch(q, pk, pv, 0.3)
+    out_w, lse_w = reference.prefix_attention_torch(q, pk, pv, 0.3, ReferenceConfig(fused_prefix=False))
     scores = torch.einsum("bhld,hpd->bhlp", q.double(), pk[0].double().repeat_interleave(4, 0)) * 0.3
     assert torch.allclose(lse_f.double(), torch.logsumexp(scores, -1), atol=1e-5)
     assert torch.allclose(lse_f, lse_w, atol=1e-5) and rel_err(out_f, out_w.double()) < 1e-5
@@ -86,7 +86,7 @@ def test_merge_is_the_sigmoid_formula():
 
 @pytest.mark.parametrize("bad,match", [
     (lambda a: a.update(prefix_key=a["prefix_key"].expand(2, -1, -1, -1)), "one copy"),
-    (lambda a: a.update(suffix_key=a["suffix_key"][:, :, :1]), "suffix_value shape|L_q"),
+    (lambda a: a.update(suffix_key=a["suffix_key"][:, :, :1]), "suffix_value|L_q"),
     (lambda a: a.update(prefix_value=a["prefix_value"].double()), "dtype"),
     (lambda a: a.update(suffix_lengths=torch.ones(2)), "suffix_lengths"),
     (lambda a: a.update(query=a["query"][:, :3]), "multiple"),

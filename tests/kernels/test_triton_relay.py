@@ -3,13 +3,14 @@
 Each call writes into an output poisoned with NaN, so an element the kernel fails to write fails the test.
 """
 
+import dataclasses
 import itertools
 
 import pytest
 import torch
 
 from relay_hf.kernels import triton_relay
-from relay_hf.kernels.triton_relay import PARTIAL_BUDGET, plan_splits, plan_suffix_splits, relay_attention_triton
+from relay_hf.kernels.triton_relay import DEFAULT_CONFIG, plan_splits, plan_suffix_splits, relay_attention_triton
 from tests.conftest import dense_reference, rel_err
 from tests.kernels.test_reference import make_inputs
 
@@ -18,18 +19,18 @@ TOL = {torch.float32: 1e-4, torch.float16: 1e-2, torch.bfloat16: 1e-2}
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
-def run_poisoned(q, pk, pv, sk, sv, lengths, end=None):
+def run_poisoned(q, pk, pv, sk, sv, lengths, end=None, config=None):
     B, H_q, L_q, D = q.shape
     out = torch.full((B, L_q, H_q, D), float("nan"), dtype=q.dtype, device=q.device).transpose(1, 2)
-    res = relay_attention_triton(q, pk, pv, sk, sv, suffix_lengths=lengths, suffix_end=end, out=out)
+    res = relay_attention_triton(q, pk, pv, sk, sv, suffix_lengths=lengths, suffix_end=end, out=out, config=config)
     assert res.data_ptr() == out.data_ptr()
     return res
 
 
-def check(B, H_kv, G, L_q, L_s, P, D, dtype, padded, seed=0, device=DEVICE):
+def check(B, H_kv, G, L_q, L_s, P, D, dtype, padded, seed=0, device=DEVICE, config=None):
     inputs = [t.to(device) if t is not None else None
               for t in make_inputs(B, H_kv, G, L_q, L_s, P, D, dtype=dtype, padded=padded, seed=seed)]
-    out = run_poisoned(*inputs)
+    out = run_poisoned(*inputs, config=config)
     ref = dense_reference(*inputs[:5], suffix_lengths=inputs[5])
     assert torch.isfinite(out).all(), "unwritten (NaN) or non-finite output"
     err = rel_err(out, ref)
@@ -66,27 +67,26 @@ def test_static_buffer_reads_only_up_to_suffix_end(dtype, L_q, P):
     assert rel_err(out, ref) < TOL[dtype]
 
 
-LAYOUTS = {"one_launch": dict(SEPARATE_ROWS=(0, -1)),
-           "separate_fused_merge": dict(SEPARATE_ROWS=(1, 1 << 30), FUSED_MERGE_SLOTS=32, FUSED_MERGE_TILE=1 << 30),
-           "separate_merge_launch": dict(SEPARATE_ROWS=(1, 1 << 30), FUSED_MERGE_SLOTS=0),
-           "fp32_partials": dict(PARTIAL_HALF=False),
-           "pointer_loads_no_pdl": dict(SEPARATE_ROWS=(1, 1 << 30), PREFIX_TMA=False, PDL=False),
-           "paired_suffix": dict(SEPARATE_ROWS=(1, 1 << 30), FUSED_MERGE_SLOTS=32, FUSED_MERGE_TILE=1 << 30,
-                                 SUFFIX_PAIR_ABOVE=0, SUFFIX_PAIR_MIN_PREFIX=0)}
+# Each launch layout of ``relay_attention_triton`` (normally chosen by the row count), forced by a config.
+LAYOUTS = {"one_launch": dict(separate_rows=(0, -1)),
+           "separate_fused_merge": dict(separate_rows=(1, 1 << 30), fused_merge_slots=32, fused_merge_tile=1 << 30),
+           "separate_merge_launch": dict(separate_rows=(1, 1 << 30), fused_merge_slots=0),
+           "fp32_partials": dict(partial_half=False),
+           "pointer_loads_no_pdl": dict(separate_rows=(1, 1 << 30), prefix_tma=False, pdl=False),
+           "paired_suffix": dict(separate_rows=(1, 1 << 30), fused_merge_slots=32, fused_merge_tile=1 << 30,
+                                 suffix_pair_above=0, suffix_pair_min_prefix=0)}
 
 
 @pytest.fixture(params=list(LAYOUTS))
-def layout(request, monkeypatch):
-    """Each launch layout of ``relay_attention_triton`` (normally chosen by the row count), forced."""
-    for name, value in LAYOUTS[request.param].items():
-        monkeypatch.setattr(triton_relay, name, value)
-    return request.param
+def layout(request):
+    """The ``KernelConfig`` of one forced launch layout."""
+    return dataclasses.replace(DEFAULT_CONFIG, **LAYOUTS[request.param])
 
 
 @pytest.mark.parametrize("dtype,G,L_q,P,L_s", [(torch.float32, 4, 1, 37, 9), (torch.bfloat16, 3, 2, 70, 12),
                                                (torch.float16, 8, 1, 150, 5), (torch.float32, 2, 3, 0, 9)])
 def test_every_layout_matches_reference(layout, dtype, G, L_q, P, L_s):
-    check(3, 2, G, L_q, L_s, P, 64, dtype, padded=True, seed=G + P)
+    check(3, 2, G, L_q, L_s, P, 64, dtype, padded=True, seed=G + P, config=layout)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
@@ -105,7 +105,7 @@ def test_tma_only_where_it_can_run():
     """Descriptors for fp16/bf16 with an unpadded head dim and 16-byte aligned strides; pointer loads otherwise."""
     def desc(dtype=torch.bfloat16, D=64, P=128):
         t = torch.randn(1, 2, P, D, device=DEVICE).to(dtype)
-        return triton_relay._prefix_descriptors(t, t, 64, triton_relay._tile(D)[0])[0]
+        return triton_relay._prefix_descriptors(t, t, 64, triton_relay._block_d(D))[0]
 
     if DEVICE == "cuda" and torch.cuda.get_device_capability()[0] < 9:
         assert desc() is None
@@ -126,22 +126,23 @@ def test_split_plan_fills_the_gpu_and_bounds_partials():
     splits, per = plan_splits(P=4096, N=4, H_kv=8, block_m=16, block_n=64, num_sms=132)
     assert splits * 8 >= 132 and splits * per * 64 >= 4096
     splits, per = plan_splits(P=4096, N=128, H_kv=8, block_m=64, block_n=64, num_sms=132)
-    assert splits * 128 * PARTIAL_BUDGET <= 4096 and splits * per * 64 >= 4096
+    assert splits * 128 * DEFAULT_CONFIG.partial_budget <= 4096 and splits * per * 64 >= 4096
     assert plan_splits(P=10, N=512, H_kv=8, block_m=64, block_n=64, num_sms=132) == (1, 1)
     # whole waves: 64 units a split, 2 programs per SM on 132 SMs -> 4 splits (256 programs), not 5 (320)
     kw = dict(P=16384, N=512, H_kv=8, block_m=64, block_n=64, num_sms=132, waves=2, budget=4)
     assert plan_splits(**kw, whole_waves=True) == (4, 64) and plan_splits(**kw) == (5, 52)
 
 
-def test_fused_merge_only_for_small_merge_tiles(monkeypatch):
+def test_fused_merge_only_for_small_merge_tiles():
     """The suffix launch merges the prefix slots itself only while its ``[rows, slots, D]`` tile stays small: decode
     (4 query rows per KV head, 16-row block) fuses 16 slots; a 64-row append block with as many slots does not. PDL
-    never applies off CUDA."""
-    monkeypatch.setattr(triton_relay, "_num_sms", lambda index: 132)  # an H200's SM count
-    cpu = torch.device("cpu")
-    decode = triton_relay._plan(B=32, N=128, G=4, L_q=1, P=16384, L_s=256, H_kv=8, D=128, device=cpu)
+    only on a device that has it."""
+    h200 = dict(num_sms=132, hopper=False)  # an H200's SM count
+    decode = triton_relay._plan(B=32, N=128, G=4, L_q=1, P=16384, L_s=256, H_kv=8, D=128, **h200)
     assert decode.sep and decode.p_splits == 16 and decode.s_splits == 1 and decode.fuse and not decode.pdl
-    append = triton_relay._plan(B=2, N=128, G=4, L_q=16, P=16384, L_s=32, H_kv=8, D=128, device=cpu)
+    assert triton_relay._plan(B=32, N=128, G=4, L_q=1, P=16384, L_s=256, H_kv=8, D=128, num_sms=132,
+                              hopper=True).pdl
+    append = triton_relay._plan(B=2, N=128, G=4, L_q=16, P=16384, L_s=32, H_kv=8, D=128, **h200)
     assert append.sep and append.p_splits == 16 and append.s_splits == 1 and not append.fuse
 
 
@@ -172,7 +173,7 @@ def test_kernel_matches_reference_on_gpu(dtype, D, G, shape):
 @pytest.mark.parametrize("dtype", list(TOL))
 @pytest.mark.parametrize("B,L_s", [(32, 256), (64, 96), (8, 256)])
 def test_every_layout_matches_reference_on_gpu(layout, dtype, B, L_s):
-    check(B, 8, 4, 1, L_s, 4096, 128, dtype, padded=True, seed=B)
+    check(B, 8, 4, 1, L_s, 4096, 128, dtype, padded=True, seed=B, config=layout)
 
 
 @pytest.mark.gpu
@@ -181,24 +182,25 @@ def test_cuda_graph_replay_matches_eager(layout, dtype):
     """Captured in a CUDA graph (how the compiled decode runs it, PDL edges included) and replayed on new inputs
     copied into the captured buffers: the same output as an eager call."""
     static = [t.cuda() for t in make_inputs(32, 8, 4, 1, 256, 4096, 128, dtype=dtype, padded=True, seed=3)]
-    relay_attention_triton(*static[:5], suffix_lengths=static[5])  # compile outside the capture
+    relay_attention_triton(*static[:5], suffix_lengths=static[5], config=layout)  # compile outside the capture
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        captured = relay_attention_triton(*static[:5], suffix_lengths=static[5])
+        captured = relay_attention_triton(*static[:5], suffix_lengths=static[5], config=layout)
     fresh = [t.cuda() for t in make_inputs(32, 8, 4, 1, 256, 4096, 128, dtype=dtype, padded=True, seed=4)]
     for dst, src in zip(static, fresh):
         dst.copy_(src)
     graph.replay()
-    assert torch.equal(captured, relay_attention_triton(*fresh[:5], suffix_lengths=fresh[5]))
+    assert torch.equal(captured, relay_attention_triton(*fresh[:5], suffix_lengths=fresh[5], config=layout))
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", list(TOL))
 def test_two_runs_are_bitwise_identical(layout, dtype):
     inputs = [t.cuda() for t in make_inputs(32, 8, 4, 1, 256, 4096, 128, dtype=dtype, padded=True, seed=11)]
-    a = run_poisoned(*inputs)
-    b = run_poisoned(*inputs)
-    assert torch.equal(a, b)
+    a = run_poisoned(*inputs, config=layout)  # the first call compiles; the later ones reuse its compiled kernels
+    b = run_poisoned(*inputs, config=layout)
+    fresh = run_poisoned(*inputs, config=dataclasses.replace(layout, reuse_compiled=False))  # Triton's launcher
+    assert torch.equal(a, b) and torch.equal(a, fresh)
 
 
 @pytest.mark.gpu
@@ -243,30 +245,28 @@ def test_captured_graph_follows_a_growing_suffix_end():
                                                 (4, torch.float16, 4, 1, 37, None),
                                                 (5, torch.float32, 2, 3, 70, 10),
                                                 (2, torch.bfloat16, 8, 2, 0, None)])
-def test_paired_suffix_units_match_reference(monkeypatch, B, dtype, G, L_q, P, end):
+def test_paired_suffix_units_match_reference(B, dtype, G, L_q, P, end):
     """Each fused suffix program streams two batch rows (odd B: the last pair's second row is computed, not stored).
-    The rule asks for at most one prefix program per SM, which the interpreter's 4 SMs rarely give: pretend more."""
-    for name, value in LAYOUTS["paired_suffix"].items():
-        monkeypatch.setattr(triton_relay, name, value)
-    monkeypatch.setattr(triton_relay, "_num_sms", lambda index: 1 << 10)
-    assert triton_relay._plan(B, B * G * L_q, G, L_q, P, 16, 2, 64, torch.device(DEVICE)).pair
+    The rule asks for at most one prefix program per SM, which the interpreter's 4 SMs rarely give: plan for more."""
+    config = dataclasses.replace(DEFAULT_CONFIG, **LAYOUTS["paired_suffix"], num_sms=1 << 10)
+    assert triton_relay._plan(B, B * G * L_q, G, L_q, P, 16, 2, 64, config.num_sms, False, config).pair
     q, pk, pv, sk, sv, lens = [t.to(DEVICE) if t is not None else None
                                for t in make_inputs(B, 2, G, L_q, 16, P, 64, dtype=dtype, padded=True, seed=B + P)]
     end_t = None if end is None else torch.tensor([end], device=DEVICE)
     if end is not None:
         lens = lens.clamp(min=L_q, max=end)
-    out = run_poisoned(q, pk, pv, sk, sv, lens, end_t)
+    out = run_poisoned(q, pk, pv, sk, sv, lens, end_t, config=config)
     ref = dense_reference(q, pk, pv, sk, sv, suffix_lengths=lens, suffix_end=end_t)
     assert rel_err(out, ref) < TOL[dtype]
 
 
-def test_suffix_pairing_rule(monkeypatch):
+def test_suffix_pairing_rule():
     """On a 132-SM GPU: B=64 decode rows beside a 4096-token prefix pair up (one prefix program per SM, 512 suffix
     programs); not where two prefix programs fill each SM (8192 tokens), where the suffix fits beside the prefix
     (B=32), or where the prefix is short (1024 tokens)."""
-    monkeypatch.setattr(triton_relay, "_num_sms", lambda index: 132)
-    device = torch.device(DEVICE)
-    assert triton_relay._plan(64, 256, 4, 1, 4096, 88, 8, 128, device).pair
-    assert not triton_relay._plan(64, 256, 4, 1, 8192, 88, 8, 128, device).pair
-    assert not triton_relay._plan(32, 128, 4, 1, 4096, 256, 8, 128, device).pair
-    assert not triton_relay._plan(64, 256, 4, 1, 1024, 88, 8, 128, device).pair
+    assert triton_relay._plan(64, 256, 4, 1, 4096, 88, 8, 128, 132, True).pair
+    assert not triton_relay._plan(64, 256, 4, 1, 8192, 88, 8, 128, 132, True).pair
+    assert not triton_relay._plan(32, 128, 4, 1, 4096, 256, 8, 128, 132, True).pair
+    assert not triton_relay._plan(64, 256, 4, 1, 1024, 88, 8, 128, 132, True).pair
+    never = dataclasses.replace(DEFAULT_CONFIG, suffix_pair_above=None)
+    assert not triton_relay._plan(64, 256, 4, 1, 4096, 88, 8, 128, 132, True, never).pair

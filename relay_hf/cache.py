@@ -107,10 +107,13 @@ class RelayLayer(CacheLayerMixin):
         self.device, self.dtype = key_states.device, key_states.dtype
         self.is_initialized = True
 
-    def _grow(self, like: torch.Tensor, needed: int) -> None:
-        B, H, _, D = like.shape
+    def _grow(self, key_states: torch.Tensor, value_states: torch.Tensor, needed: int) -> None:
+        """New suffix buffers of at least ``needed`` positions: keys ``[B, H_kv, cap, D]``, values ``[B, H_kv, cap,
+        D_v]``, each sized from its own states (MLA models such as DeepSeek-V3 have ``D_v != D``)."""
+        B, H = key_states.shape[:2]
         cap = max(needed, self._reserve, self.MIN_CAPACITY, self.GROWTH * self.capacity)
-        kbuf, vbuf = like.new_empty(B, H, cap, D), like.new_empty(B, H, cap, D)
+        kbuf = key_states.new_empty(B, H, cap, key_states.shape[-1])
+        vbuf = value_states.new_empty(B, value_states.shape[1], cap, value_states.shape[-1])
         if self._len:
             kbuf[:, :, :self._len] = self._kbuf[:, :, :self._len]
             vbuf[:, :, :self._len] = self._vbuf[:, :, :self._len]
@@ -122,7 +125,7 @@ class RelayLayer(CacheLayerMixin):
             self.lazy_initialization(key_states, value_states)
         end = self._len + key_states.shape[-2]
         if self._kbuf is None or end > self.capacity:
-            self._grow(key_states, end)
+            self._grow(key_states, value_states, end)
         elif self._kbuf.shape[0] != key_states.shape[0]:
             raise ValueError(f"suffix holds {self._kbuf.shape[0]} rows, got states for {key_states.shape[0]}")
         self._kbuf[:, :, self._len:end] = key_states
@@ -232,8 +235,9 @@ class StaticRelayLayer(RelayLayer):
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         super().lazy_initialization(key_states, value_states)
         B, H, _, D = key_states.shape
-        self._kbuf = key_states.new_zeros(B, H, self.max_suffix_length, D)
-        self._vbuf = value_states.new_zeros(B, H, self.max_suffix_length, D)
+        self._kbuf = key_states.new_zeros(B, H, self.max_suffix_length, D)  # [B, H_kv, S, D]
+        # [B, H_kv, S, D_v]: the value head dim may differ from the key's (MLA)
+        self._vbuf = value_states.new_zeros(B, value_states.shape[1], self.max_suffix_length, value_states.shape[-1])
         self._end = torch.zeros((), dtype=torch.int64, device=key_states.device)
         if self.suffix_padding is None:
             self.suffix_padding = torch.zeros(B, dtype=torch.int32)

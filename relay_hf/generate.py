@@ -16,6 +16,7 @@ from __future__ import annotations
 import copy
 import inspect
 import logging
+import re
 import threading
 import types
 
@@ -88,7 +89,7 @@ def _bind(model, args, kwargs) -> dict:
 
 def _warn_fallback(plan: Plan) -> None:
     """Once per reason: a call that would have gained from relay runs stock."""
-    key = plan.reason.split(":")[0]
+    key = re.sub(r"\d+", "N", plan.reason)  # one warning per kind of reason, whatever the sizes
     with _warned_lock:
         if key in _warned:
             return

@@ -149,7 +149,7 @@ def test_a_cache_built_on_another_model_is_refused():
     assert "another model" in b.relay_last_decision.reason and not b.relay_last_decision.used
 
 
-@pytest.mark.parametrize("how", ["nothing", "bare_config", "model_sampling_defaults", "max_length"])
+@pytest.mark.parametrize("how", ["nothing", "bare_config", "model_sampling_defaults", "max_length", "static"])
 def test_generation_config_is_resolved_as_stock_resolves_it(how):
     model = tiny_model("qwen3")
     ids, mask, _ = shared_prefix_batch(seed=26)
@@ -160,10 +160,13 @@ def test_generation_config_is_resolved_as_stock_resolves_it(how):
         model.generation_config.do_sample, model.generation_config.top_k = True, 7
     elif how == "max_length":
         kw = dict(max_length=ids.shape[1] + 3)
+    elif how == "static":  # relay_hf's own loop on a static cache, no length given either
+        kw = dict(cache_implementation="static")
     stock, relay = _stock(model, ids, mask, seed=4, **kw), _relay(model, ids, mask, seed=4, **kw)
     assert model.relay_last_decision.used
     assert torch.equal(stock, relay)
-    if how in ("nothing", "bare_config"):
+    assert model.relay_last_decision.fast_decode == (how == "static")
+    if how in ("nothing", "bare_config", "static"):
         assert relay.shape[1] == ids.shape[1] + 20  # stock's default: 20 new tokens
 
 

@@ -1,0 +1,259 @@
+"""End-to-end ``generate`` on a random-init model (no download): stock transformers vs a patched model.
+
+    python -m benchmarks.generate --prefix-len 4096 --batch 64 --modes prefix_reuse relay_compiled
+    python -m benchmarks.generate --model-shape tiny --device cpu --dtype float32 --prefix-len 32 --batch 2 \\
+        --new-tokens 4 --reps 1                                    # the CPU smoke run (a few seconds)
+
+Workload: a system prompt of S tokens shared by B rows, each followed by its own U-token user prompt; no EOS (the
+model's ``eos_token_id`` is unset), so every call makes exactly ``max_new_tokens`` tokens. Modes:
+
+* ``stock``: ``model.generate(**inputs, max_new_tokens=N)`` (DynamicCache, eager).
+* ``prefix_reuse``: transformers' documented prefix-caching recipe: the system prompt prefilled once into a
+  DynamicCache (not timed), per call a deep copy expanded to the batch (timed) passed to ``generate``.
+* ``static``: ``generate(..., cache_implementation="static")``: transformers' compiled decode.
+* ``relay``: ``relay_hf.patch(model)``, then plain ``generate``.
+* ``relay_compiled``: ``relay_hf.patch(model)``, then ``generate(..., cache_implementation="static")``.
+
+Every number is the wall time of whole ``generate`` calls, the device synchronised around each call; nothing is
+hooked inside relay_hf or transformers. Per (mode, S, B) point, in this order:
+
+* ``cold_first_call`` (s): the first N-token call at this point (compilation and graph capture of a new shape).
+* ``ttft`` (s): a warm 1-token call (prefill and the first token).
+* ``step`` (ms): warm greedy decode step, ``(wall(N) - wall(M)) / (N - M)`` with M = ``--short-tokens`` (N/4, at
+  least 2): both calls run the same decode loop, so its per-call setup cancels and only the N - M extra steps
+  remain. ``tok_per_s`` = B / step; ``bandwidth`` (GB/s) = the weights plus the KV the mode reads in the middle
+  step, over the step; ``peak_memory`` (GiB, CUDA) over the greedy calls.
+* ``sample_step`` (ms): the same with ``do_sample=True, top_p=0.9, temperature=0.7`` (its first call, which may
+  compile another loop, is ``sample_first_call``).
+* ``new_batch_first_call`` (s): then the first N-token call at another batch size (``--new-batch``, 3/4 of B).
+
+Medians over ``--reps`` repetitions; ``lo`` / ``hi`` are their 20th / 80th percentiles.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import itertools
+from pathlib import Path
+
+import torch
+
+import relay_hf
+
+from .common import DATA, GENERATE_FIELDS, append_rows, environment, print_table, progress, say, summary, sync, wall_s
+
+SHAPES = {
+    "llama3-8b": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+                      num_key_value_heads=8, vocab_size=128256, rope_theta=500000.0),
+    "smollm2-135m": dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
+                         num_key_value_heads=3, vocab_size=49152, rope_theta=100000.0, tie_word_embeddings=True),
+    "tiny": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, vocab_size=256),
+}
+MODES = ("stock", "prefix_reuse", "static", "relay", "relay_compiled")
+SAMPLING = dict(do_sample=True, top_p=0.9, temperature=0.7)
+
+
+def build_model(shape: str, device: torch.device, dtype: torch.dtype, max_positions: int):
+    """A random-init ``LlamaForCausalLM`` of ``SHAPES[shape]`` with no EOS token (calls never stop early)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(**SHAPES[shape], max_position_embeddings=max_positions, pad_token_id=0, bos_token_id=None,
+                         eos_token_id=None, attn_implementation="sdpa")
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device(device):
+            model = LlamaForCausalLM(config).eval()
+    finally:
+        torch.set_default_dtype(previous)
+    model.generation_config.pad_token_id = 0
+    model.generation_config.eos_token_id = None
+    return model
+
+
+def _kwargs_for(model, mode: str, system: torch.Tensor):
+    """Patch or unpatch ``model`` for ``mode``; return ``B -> generate kwargs`` (called inside the timed region: the
+    prefix-reuse copy belongs to the call)."""
+    from transformers import DynamicCache
+
+    from relay_hf._compat import cache_kwarg_name
+
+    relay_hf.unpatch(model)  # also drops the static cache and captured step of an earlier point
+    if mode.startswith("relay"):
+        relay_hf.patch(model)
+    if mode in ("static", "relay_compiled"):
+        return lambda B: dict(cache_implementation="static")
+    if mode == "prefix_reuse":
+        name = cache_kwarg_name(model)
+        prefilled = DynamicCache()
+        with torch.no_grad():
+            model(input_ids=system, use_cache=True, **{name: prefilled})
+
+        def reuse(B):
+            cache = copy.deepcopy(prefilled)
+            cache.batch_repeat_interleave(B)
+            return {name: cache}
+
+        return reuse
+    return lambda B: {}
+
+
+def _inputs(system: torch.Tensor, B: int, U: int, vocab: int, seed: int) -> dict:
+    g = torch.Generator().manual_seed(seed)
+    user = torch.randint(10, vocab, (B, U), generator=g).to(system.device)
+    ids = torch.cat([system.expand(B, -1), user], 1)  # [B, S + U]
+    return dict(input_ids=ids, attention_mask=torch.ones_like(ids))
+
+
+def _step_bytes(model, decision, S: int, U: int, B: int, tokens: float) -> int:
+    """Bytes one decode step reads: every weight but the input embedding (a gather), and the KV the mode holds
+    after ``tokens`` generated tokens: one prefix copy plus B suffixes when relay served the call, else B rows."""
+    c = model.config
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    embedding = model.get_input_embeddings().weight
+    if not c.tie_word_embeddings:
+        weights -= embedding.numel() * embedding.element_size()
+    head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+    per_token = 2 * c.num_hidden_layers * c.num_key_value_heads * head_dim * model.dtype.itemsize
+    kv_tokens = S + B * (U + tokens) if decision is not None and decision.used else B * (S + U + tokens)
+    return int(weights + per_token * kv_tokens)
+
+
+def generate_point(model, mode: str, S: int, B: int, U: int, N: int, M: int, reps: int, new_batch: int | None,
+                   sampling: bool = True, seed: int = 0) -> list[dict]:
+    """The CSV rows (without the run's fields) of one (mode, S, B) point; ``mode`` is one of ``MODES``."""
+    device = model.device
+    vocab = model.config.vocab_size
+    system = torch.randint(10, vocab, (1, S), generator=torch.Generator().manual_seed(seed * 131 + S)).to(device)
+    inputs = _inputs(system, B, U, vocab, seed * 7 + B)
+    make_kwargs = _kwargs_for(model, mode, system)
+    cuda = device.type == "cuda"
+    if cuda:
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(device)
+
+    def call(n: int, rows: dict = inputs, **extra) -> float:
+        return wall_s(lambda: model.generate(**rows, max_new_tokens=n, **make_kwargs(rows["input_ids"].shape[0]),
+                                             **extra), device)
+
+    def decision():
+        d = getattr(model, "relay_last_decision", None)
+        return dict(relay_used=bool(d and d.used), relay_loop=bool(d and d.fast_decode))
+
+    base = dict(S=S, U=U, B=B, new_tokens=N, mode=mode)
+    rows = []
+
+    def add(metric: str, unit: str, values: dict, flags: dict, note: str = ""):
+        rows.append(dict(base, metric=metric, unit=unit, **values, **flags, note=note))
+
+    def steps(**extra) -> list[float]:
+        """ms per decode step of ``reps`` (M-token, N-token) call pairs."""
+        return [(call(N, **extra) - call(M, **extra)) / (N - M) * 1e3 for _ in range(reps)]
+
+    with torch.no_grad():
+        add("cold_first_call", "s", dict(median=call(N), n=1), decision())
+        call(1), call(M)  # warm-up: every call shape compiled and captured before the timed calls
+        ttft = summary(call(1) for _ in range(reps))
+        greedy = decision()
+        add("ttft", "s", ttft, greedy)
+        step = summary(steps())
+        greedy = decision()
+        relay_decision = getattr(model, "relay_last_decision", None)
+        add("step", "ms", step, greedy)
+        rate = lambda ms: B / ms * 1e3 if ms > 0 else float("nan")  # noqa: E731 (noise can make a tiny step <= 0)
+        add("tok_per_s", "tok/s", dict(median=rate(step["median"]), lo=rate(step["hi"]), hi=rate(step["lo"]),
+                                       n=step["n"], spread_of=step["spread_of"]), greedy)
+        nbytes = _step_bytes(model, relay_decision, S, U, B, (M + N) / 2)
+        add("bandwidth", "GB/s", dict(median=nbytes / step["median"] / 1e6, n=step["n"]), greedy)
+        if cuda:
+            sync(device)
+            add("peak_memory", "GiB", dict(median=torch.cuda.max_memory_allocated(device) / 2**30, n=1), greedy)
+        if sampling:
+            add("sample_first_call", "s", dict(median=call(N, **SAMPLING), n=1), decision())
+            call(M, **SAMPLING)
+            add("sample_step", "ms", summary(steps(**SAMPLING)), decision())
+        if new_batch:
+            other = _inputs(system, new_batch, U, vocab, seed * 7 + new_batch)
+            add("new_batch_first_call", "s", dict(median=call(N, other), n=1), decision(), note=f"B={new_batch}")
+    return rows
+
+
+def _line(rows: list[dict]) -> dict:
+    """The printed summary of one point, gpt-fast style."""
+    get = {r["metric"]: r["median"] for r in rows}
+    r0 = rows[0]
+    step = next(r for r in rows if r["metric"] == "step")
+    line = dict(mode=r0["mode"], S=r0["S"], B=r0["B"], step_ms=get["step"], tok_per_s=get["tok_per_s"],
+                GBps=get["bandwidth"], sample_step_ms=get.get("sample_step", float("nan")), ttft_s=get["ttft"],
+                peak_GiB=get.get("peak_memory", float("nan")), first_call_s=get["cold_first_call"],
+                new_batch_s=get.get("new_batch_first_call", float("nan")), relay=step["relay_used"],
+                loop=step["relay_loop"])
+    say(f"{line['mode']} S={line['S']} B={line['B']}: step {line['step_ms']:.2f} ms ({line['tok_per_s']:,.0f} tok/s, "
+        f"{line['GBps']:,.0f} GB/s), sampling step {line['sample_step_ms']:.2f} ms, first token "
+        f"{line['ttft_s']:.3f} s, peak {line['peak_GiB']:.2f} GiB; first call {line['first_call_s']:.2f} s, at a "
+        f"new batch size {line['new_batch_s']:.2f} s; relay used: {line['relay']}, relay_hf loop: {line['loop']}")
+    return line
+
+
+def _raise_recompile_limit(points: int) -> None:
+    """Every point is a new static shape for the compiled modes: let dynamo keep them all instead of falling back to
+    eager after its default recompile limit and timing that."""
+    config = torch._dynamo.config
+    name = "recompile_limit" if hasattr(config, "recompile_limit") else "cache_size_limit"
+    setattr(config, name, max(getattr(config, name), 4 * points))
+
+
+def main(argv=None) -> list[dict]:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.generate", description=__doc__.splitlines()[0])
+    parser.add_argument("--model-shape", choices=sorted(SHAPES), default="llama3-8b")
+    parser.add_argument("--prefix-len", type=int, nargs="+", default=[1024, 4096, 8192], help="S")
+    parser.add_argument("--batch", type=int, nargs="+", default=[1, 8, 32, 64], help="B")
+    parser.add_argument("--user-len", type=int, default=64, help="U: tokens of each row's own prompt")
+    parser.add_argument("--modes", nargs="+", default=["prefix_reuse", "relay_compiled"], choices=MODES)
+    parser.add_argument("--new-tokens", type=int, default=128, help="N: tokens of the long timed call")
+    parser.add_argument("--short-tokens", type=int, default=None, help="M: tokens of the short call (N/4, >= 2)")
+    parser.add_argument("--reps", type=int, default=3, help="timed call pairs per point")
+    parser.add_argument("--new-batch", type=int, default=None, help="batch of the new-batch call (3/4 of B)")
+    parser.add_argument("--no-sampling", action="store_true", help="skip the sampling calls")
+    parser.add_argument("--device", default=None, help="default: cuda when available, else cpu")
+    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
+    parser.add_argument("--note", default="", help="free text stored with every row")
+    parser.add_argument("--csv", type=Path, default=DATA / "generate.csv", help="append the rows here")
+    args = parser.parse_args(argv)
+    N = args.new_tokens
+    M = args.short_tokens or max(2, N // 4)
+    if not 1 <= M < N:
+        parser.error(f"need 1 <= --short-tokens < --new-tokens, got {M} and {N}")
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    env = environment(device)
+    print(f"{env['device']}, torch {env['torch']}, transformers {env['transformers']}, triton {env['triton']}, "
+          f"commit {env['commit']}")
+    model = build_model(args.model_shape, device, getattr(torch, args.dtype),
+                        max(args.prefix_len) + args.user_len + N + 256)
+    grid = list(itertools.product(args.modes, args.prefix_len, args.batch))
+    _raise_recompile_limit(len(grid))
+    lines = []
+    for mode, S, B in progress(grid, "generate"):
+        new_batch = args.new_batch or (B * 3 // 4 if B >= 4 else B + 1)
+        try:
+            point = generate_point(model, mode, S, B, args.user_len, N, M, args.reps, new_batch,
+                                   sampling=not args.no_sampling)
+        except torch.OutOfMemoryError:
+            say(f"{mode} S={S} B={B}: out of memory")
+            continue
+        finally:
+            relay_hf.unpatch(model)
+        rows = [{**env, "model": args.model_shape, "dtype": args.dtype, **r,
+                 "note": " ".join(filter(None, [args.note, r["note"]]))} for r in point]
+        append_rows(args.csv, GENERATE_FIELDS, rows)  # after every point: a stopped run keeps what it measured
+        lines.append(_line(point))
+    if lines:
+        print_table(lines, list(lines[0]))
+    print(f"appended to {args.csv}")
+    return lines
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,122 @@
+"""``benchmarks/``: the CPU smoke runs of both benchmarks, the tuning variants, the CSV schema and the plot script."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import pytest
+import torch
+
+from benchmarks import common, generate, kernel, plot
+
+
+@pytest.fixture
+def one_thread():
+    """Tiny shapes on one thread: on a busy 2-core machine, OpenMP workers waiting for a core make each tiny op
+    ~50x slower."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def test_tune_variants_override_existing_kernel_config_fields():
+    """``kernel --tune`` builds each variant with ``dataclasses.replace(DEFAULT_CONFIG, **overrides)``: a renamed
+    field must fail here, not on the GPU, and a variant must not change a field's type."""
+    from relay_hf.kernels.triton_relay import DEFAULT_CONFIG
+
+    fields = {f.name for f in dataclasses.fields(DEFAULT_CONFIG)}
+    for name, overrides in kernel.VARIANTS.items():
+        assert set(overrides) <= fields, f"variant {name!r}: no config field {sorted(set(overrides) - fields)}"
+        config = dataclasses.replace(DEFAULT_CONFIG, **overrides)
+        for key, value in overrides.items():
+            assert type(value) is type(getattr(DEFAULT_CONFIG, key)), f"variant {name!r}: {key} changes type"
+            assert getattr(config, key) == value
+
+
+def test_kernel_cpu_smoke_run_appends_exact_relay_rows(tmp_path, one_thread):
+    """The kernel benchmark's CPU path on tiny shapes: every row in the schema, times for relay and SDPA, and relay's
+    output equal to SDPA's over the expanded prefix (fp32)."""
+    path = tmp_path / "kernel.csv"
+    kernel.main(["--device", "cpu", "--dtype", "float32", "--heads", "4", "2", "--head-dim", "16", "--suffix-len",
+                 "8", "--prefix-len", "64", "--batch", "1", "3", "--reps", "3", "--host-calls", "5", "--csv",
+                 str(path)])
+    rows = common.read_rows(path)
+    assert list(rows[0]) == common.KERNEL_FIELDS
+    assert {(r["S"], r["B"]) for r in rows} == {("64", "1"), ("64", "3")}
+    got = {(r["B"], r["provider"], r["metric"]): float(r["median"]) for r in rows}
+    for B in ("1", "3"):
+        for provider in ("relay", "sdpa"):
+            for metric in ("time", "host"):
+                assert got[(B, provider, metric)] > 0
+        assert got[(B, "relay", "bandwidth")] > 0
+        assert got[(B, "relay", "relerr")] < 1e-5
+    assert all(r["commit"] and r["torch"] and r["timestamp"] and r["device"].startswith("cpu") for r in rows)
+
+
+def test_generate_cpu_smoke_run_measures_every_column(tmp_path, one_thread):
+    """The generate benchmark's CPU path on a tiny random model: for every mode the cold first call, first token,
+    greedy and sampling steps and the new-batch first call, and relay used exactly by the relay modes (the static
+    one on relay_hf's loop for greedy calls, transformers' loop for sampling)."""
+    path = tmp_path / "generate.csv"
+    generate.main(["--model-shape", "tiny", "--device", "cpu", "--dtype", "float32", "--prefix-len", "32", "--batch",
+                   "2", "--new-tokens", "3", "--reps", "1", "--modes", *generate.MODES, "--csv", str(path)])
+    rows = common.read_rows(path)
+    assert list(rows[0]) == common.GENERATE_FIELDS
+    expected = {"cold_first_call", "ttft", "step", "tok_per_s", "bandwidth", "sample_first_call", "sample_step",
+                "new_batch_first_call"}
+    for mode in generate.MODES:
+        got = {r["metric"]: r for r in rows if r["mode"] == mode}
+        assert set(got) == expected, mode
+        step = float(got["step"]["median"])  # a difference of two wall times: on tiny shapes it can be <= 0
+        for metric, r in got.items():
+            if metric != "tok_per_s" or step > 0:
+                assert math.isfinite(float(r["median"])), (mode, metric)
+        if step > 0:
+            assert float(got["tok_per_s"]["median"]) == pytest.approx(2 / step * 1e3, rel=1e-4)
+        relay = mode.startswith("relay")
+        assert got["step"]["relay_used"] == str(relay) and got["sample_step"]["relay_used"] == str(relay)
+        assert got["step"]["relay_loop"] == str(mode == "relay_compiled")
+        assert got["sample_step"]["relay_loop"] == "False"
+        assert got["new_batch_first_call"]["note"] == "B=3"
+    assert {r["new_tokens"] for r in rows} == {"3"}
+
+
+def test_append_rows_keeps_one_schema_per_file(tmp_path):
+    path = tmp_path / "x.csv"
+    common.append_rows(path, ["a", "b"], [dict(a=1, b=2.5)])
+    common.append_rows(path, ["a", "b"], [dict(a=3, b=float("nan"))])
+    assert common.read_rows(path) == [dict(a="1", b="2.5"), dict(a="3", b="")]
+    with pytest.raises(ValueError, match="columns"):
+        common.append_rows(path, ["a", "c"], [dict(a=1)])
+    with pytest.raises(ValueError, match="not in the schema"):
+        common.append_rows(path, ["a", "b"], [dict(a=1, d=2)])
+
+
+def test_summary_gives_median_and_20_80_percentiles():
+    s = common.summary([5.0, 1.0, 3.0, 2.0, 4.0])
+    assert (s["median"], s["n"], s["spread_of"]) == (3.0, 5, "reps")
+    assert 1.0 < s["lo"] < s["median"] < s["hi"] < 5.0
+
+
+@pytest.mark.parametrize("name, fields", [("kernel.csv", common.KERNEL_FIELDS),
+                                          ("generate.csv", common.GENERATE_FIELDS)])
+def test_published_data_follows_the_schema(name, fields):
+    """benchmarks/data/*.csv: the schema's header, a number in every median, one unit per metric."""
+    rows = common.read_rows(common.DATA / name)
+    assert rows and list(rows[0]) == fields
+    units = {}
+    for r in rows:
+        float(r["median"])
+        units.setdefault(r["metric"], set()).add(r["unit"])
+        assert r["spread_of"] in ("", "reps", "runs")
+    assert all(len(u) == 1 for u in units.values()), units
+
+
+def test_plot_draws_both_figures_from_the_published_data(tmp_path):
+    written = plot.main(["--out", str(tmp_path)])
+    assert sorted(p.name for p in written) == ["generate.png", "kernel.png"]
+    assert all(p.stat().st_size > 10_000 for p in written)
+    points = plot.kernel_points(common.read_rows(common.DATA / "kernel.csv"))
+    assert all(p["speedup"] == p["sdpa_us"] / p["relay_us"] for p in points)

@@ -6,7 +6,7 @@ import torch
 import relay_hf
 from relay_hf import RelayCache
 from relay_hf.cache import RelayLayer, StaticRelayLayer
-from tests.tiny import shared_prefix_batch, tiny_model
+from tests.helpers import shared_prefix_batch, tiny_model
 
 
 @pytest.fixture(scope="module")

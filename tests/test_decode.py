@@ -8,7 +8,7 @@ from transformers.generation.streamers import BaseStreamer
 
 import relay_hf
 from relay_hf.decode import _stop_length
-from tests.tiny import ARCHS, shared_prefix_batch, tiny_model
+from tests.helpers import shared_prefix_batch, tiny_model
 
 STATIC = dict(cache_implementation="static", do_sample=False)
 
@@ -29,12 +29,6 @@ def _row_eos(model, ids, mask) -> list[int]:
     out = model.generate(ids, attention_mask=mask, max_new_tokens=12, do_sample=False)
     return sorted({int(out[r, ids.shape[1] + 2 + 2 * r]) for r in range(ids.shape[0])})
 
-
-@pytest.fixture(params=list(ARCHS))
-def arch_model(request):
-    model = tiny_model(request.param)
-    yield model
-    relay_hf.unpatch(model)
 
 
 @pytest.mark.parametrize("case", ["max_new_tokens", "eos_stops_early", "min_new_tokens", "max_length_min_length"])

@@ -10,7 +10,7 @@ from relay_hf.prefix import (
     relay_permutation,
     to_stock_layout,
 )
-from tests.conftest import left_pad
+from tests.helpers import left_pad
 
 
 def test_left_padding_detects_layouts():

@@ -12,7 +12,8 @@ from transformers import LlamaConfig, LlamaForCausalLM
 import relay_hf
 from relay_hf.cache import ATTN_NAME
 from relay_hf.probe import probe_reason
-from tests.test_architectures import shared_prefix_batch, tiny_model
+from tests.helpers import tiny_model_of_type as tiny_model
+from tests.helpers import type_batch as shared_prefix_batch
 
 
 @pytest.fixture(autouse=True)

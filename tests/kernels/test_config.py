@@ -10,8 +10,7 @@ import torch
 
 from relay_hf.kernels import triton_relay
 from relay_hf.kernels.triton_relay import DEFAULT_CONFIG, KernelConfig, relay_attention_triton, use_config
-from tests.conftest import dense_reference, rel_err
-from tests.kernels.test_reference import make_inputs
+from tests.helpers import dense_reference, make_inputs, rel_err
 
 needs_triton = pytest.mark.skipif(not triton_relay.triton_available(), reason="triton cannot run here")
 

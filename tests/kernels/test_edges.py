@@ -8,7 +8,7 @@ import torch
 from relay_hf.kernels import relay_attention, relay_attention_torch, triton_serves
 from relay_hf.kernels.reference import ReferenceConfig, check_relay_values
 from relay_hf.kernels.triton_relay import relay_attention_triton, triton_available
-from tests.conftest import dense_reference, rel_err
+from tests.helpers import dense_reference, rel_err
 
 ENTRIES = {"torch": relay_attention_torch, "dispatch": relay_attention}
 if triton_available():

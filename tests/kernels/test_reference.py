@@ -7,21 +7,7 @@ import torch
 
 from relay_hf.kernels import reference
 from relay_hf.kernels.reference import DEFAULT_REFERENCE_CONFIG, ReferenceConfig, merge_partials, relay_attention_torch
-from tests.conftest import dense_reference, rel_err
-
-
-def make_inputs(B, H_kv, G, L_q, L_s, P, D, dtype=torch.float32, padded=False, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    rnd = lambda *s: torch.randn(*s, generator=g).to(dtype)  # noqa: E731
-    q = rnd(B, H_kv * G, L_q, D)
-    pk, pv = rnd(1, H_kv, P, D), rnd(1, H_kv, P, D)
-    sk, sv = rnd(B, H_kv, L_s, D), rnd(B, H_kv, L_s, D)
-    lengths = None
-    if padded:  # row 0 empty, row 1 shorter than L_q, the rest random
-        lengths = torch.randint(0, L_s + 1, (B,), generator=g)
-        lengths[0], lengths[1] = 0, max(L_q - 2, 0)
-    return q, pk, pv, sk, sv, lengths
-
+from tests.helpers import dense_reference, make_inputs, rel_err
 
 GRID = list(itertools.product([0, 1, 37, 300], [1, 5], [False, True], [1, 3, 4, 8]))
 

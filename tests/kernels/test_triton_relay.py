@@ -11,8 +11,7 @@ import torch
 
 from relay_hf.kernels import triton_relay
 from relay_hf.kernels.triton_relay import DEFAULT_CONFIG, plan_splits, plan_suffix_splits, relay_attention_triton
-from tests.conftest import dense_reference, rel_err
-from tests.kernels.test_reference import make_inputs
+from tests.helpers import dense_reference, make_inputs, rel_err
 
 pytestmark = pytest.mark.skipif(not triton_relay.triton_available(), reason="triton cannot run here")
 TOL = {torch.float32: 1e-4, torch.float16: 1e-2, torch.bfloat16: 1e-2}

@@ -79,3 +79,23 @@ def resolve_generation_config(model, generation_config, kwargs: dict):
 def compile_all_devices(compile_config) -> bool:
     """Whether a ``CompileConfig`` asks transformers to compile on every device, not only CUDA."""
     return bool(getattr(compile_config, "_compile_all_devices", False))
+
+
+# -- pipelines -------------------------------------------------------------------------------------------------------
+def chat_messages(item) -> list | None:
+    """The messages of a chat as a text-generation pipeline item (transformers' internal ``Chat`` wrapper, or a plain
+    list of ``{"role", "content"}`` dicts), or ``None`` when ``item`` is no chat."""
+    from transformers.utils.chat_template_utils import Chat
+
+    messages = item.messages if isinstance(item, Chat) else item
+    if isinstance(messages, (list, tuple)) and messages and all(
+            isinstance(m, dict) and "role" in m and "content" in m for m in messages):
+        return list(messages)
+    return None
+
+
+def pipeline_chat(messages: list):
+    """``messages`` wrapped as ``TextGenerationPipeline.preprocess`` expects a chat (the internal ``Chat`` class)."""
+    from transformers.utils.chat_template_utils import Chat
+
+    return Chat(messages)

@@ -1,15 +1,28 @@
-"""relay_hf.pipeline on the embedded SmolLM2 (fp32, CPU): same answers as the stock text-generation pipeline."""
+"""relay_hf.pipeline on the embedded SmolLM2 (fp32, CPU): same answers as the stock text-generation pipeline.
+
+Kept small for a 2-core CPU: a ~200-token system prompt (the manual's first sections; the relay path is the same at
+any prefix length), 4 questions, 8 new tokens."""
+
+import copy
+import gc
+import importlib
+import threading
+import time
 
 import pytest
 import torch
 import transformers
 from transformers.generation.streamers import BaseStreamer
+from transformers.pipelines import PIPELINE_REGISTRY
 
 import relay_hf
-from examples.chat_batch import QUESTIONS  # the demo's 8 questions
+from examples.chat_batch import QUESTIONS, held_bytes  # the demo's questions
+from tests.helpers import SMOLLM2_FILE, smollm2_dir
 
-GEN = dict(max_new_tokens=16, do_sample=False)
+QS = QUESTIONS[:4]
+GEN = dict(max_new_tokens=8, do_sample=False)
 pytestmark = pytest.mark.slow
+pipeline_module = importlib.import_module("relay_hf.pipeline")  # `relay_hf.pipeline` is the function
 
 
 def chats(system, questions):
@@ -17,62 +30,126 @@ def chats(system, questions):
 
 
 @pytest.fixture(scope="module")
-def stock_answers(smollm2, system_prompt):
-    """Stock pipeline outputs per batch size (model unpatched)."""
+def system(system_prompt):
+    return "\n\n".join(system_prompt.split("\n\n")[:3])
+
+
+@pytest.fixture(scope="module")
+def stock_answers(smollm2, system):
+    """Stock pipeline outputs (model unpatched): batch size 1 for QS[:2], batch size 3 for QS (batches of 3 and 1)."""
     model, tokenizer = smollm2
     relay_hf.unpatch(model)
     stock = transformers.pipeline("text-generation", model=model, tokenizer=tokenizer)
-    return {bs: stock(chats(system_prompt, QUESTIONS), batch_size=bs, **GEN) for bs in (1, 3, 8)}
+    return {1: stock(chats(system, QS[:2]), batch_size=1, **GEN), 3: stock(chats(system, QS), batch_size=3, **GEN)}
 
 
 @pytest.fixture
-def relay_pipe(smollm2, system_prompt, stock_answers):
+def relay_pipe(smollm2, system, stock_answers):
     model, tokenizer = smollm2
-    pipe = relay_hf.pipeline("text-generation", model=model, tokenizer=tokenizer, system_prompt=system_prompt)
+    pipe = relay_hf.pipeline("text-generation", model=model, tokenizer=tokenizer, system_prompt=system)
     yield pipe
+    pipe.close()
     relay_hf.unpatch(model)
 
 
-@pytest.mark.parametrize("batch_size", [1, 3, 8])
+@pytest.mark.parametrize("batch_size", [1, 3])
 def test_answers_equal_stock(relay_pipe, stock_answers, batch_size):
-    got = relay_pipe(QUESTIONS, batch_size=batch_size, **GEN)
+    got = relay_pipe(QS[:len(stock_answers[batch_size])], batch_size=batch_size, **GEN)
     assert got == stock_answers[batch_size]
     assert relay_pipe.model.relay_last_decision.used
 
 
-def test_prefix_prefilled_once_and_again_after_a_change(relay_pipe, system_prompt):
+def _users(questions):
+    return [[{"role": "user", "content": q}] for q in questions]
+
+
+def _dataset(column, values):
+    datasets = pytest.importorskip("datasets")
+    from transformers.pipelines.pt_utils import KeyDataset
+
+    return KeyDataset(datasets.Dataset.from_dict({column: values}), column)
+
+
+# each input kind gets the system prompt per item, so it answers what stock answers for [system, user]
+INPUTS = {
+    "string": (lambda: QS[0], 1),
+    "chat": (lambda: _users(QS[:1])[0], 1),
+    "generator of strings": (lambda: (q for q in QS[:3]), 3),
+    "generator of chats": (lambda: (c for c in _users(QS[:3])), 3),
+    "KeyDataset of strings": (lambda: _dataset("question", QS[:3]), 3),
+    "KeyDataset of chats": (lambda: _dataset("messages", _users(QS[:3])), 3),
+}
+
+
+@pytest.mark.parametrize("kind", INPUTS)
+def test_every_input_kind_gets_the_system_prompt(relay_pipe, stock_answers, kind):
+    make, batch_size = INPUTS[kind]
+    got = relay_pipe(make(), batch_size=batch_size, **GEN)
+    if batch_size == 1:  # one string or chat: one list of records, as stock returns for one conversation
+        assert got == stock_answers[1][0]
+    else:  # generators and datasets stream; stock batches of 3 start with the same 3 conversations
+        assert list(got) == stock_answers[3][:3]
+    decision = relay_pipe.model.relay_last_decision
+    assert decision.used and decision.prefix_length == len(relay_pipe.prefix_ids())
+
+
+def test_prefix_prefilled_once_and_again_after_a_change(relay_pipe, system):
     P = len(relay_pipe.prefix_ids())
     prefills = []
     hook = relay_pipe.model.base_model.register_forward_pre_hook(
         lambda mod, args, kwargs: prefills.append(kwargs["input_ids"].shape) if kwargs.get("input_ids") is not None
         and kwargs["input_ids"].shape == (1, P) else None, with_kwargs=True)
     try:
-        relay_pipe(QUESTIONS[:3], batch_size=3, **GEN)
-        relay_pipe(QUESTIONS[3:], batch_size=2, **GEN)
+        relay_pipe(QS[:2], batch_size=2, max_new_tokens=1, do_sample=False)
+        relay_pipe(QS[2:], batch_size=2, max_new_tokens=1, do_sample=False)
         assert len(prefills) == 1
-        relay_pipe.system_prompt = system_prompt.replace("Brewbot", "Beanbot")
+        relay_pipe.system_prompt = system.replace("Brewbot", "Beanbot")
         assert relay_pipe.prefix_cache() is not None and len(prefills) == 2
-        relay_pipe(QUESTIONS[:2], batch_size=2, **GEN)
+        relay_pipe(QS[:2], batch_size=2, max_new_tokens=1, do_sample=False)
         assert len(prefills) == 2
     finally:
         hook.remove()
 
 
-def test_chat_with_its_own_system_message(relay_pipe, smollm2, system_prompt):
+def test_threads_share_one_prefill(relay_pipe, monkeypatch):
+    built = []
+
+    def slow_from_prefix(model, ids):
+        built.append(ids)
+        time.sleep(0.05)  # widens the window in which an unguarded second thread would build its own
+        return object()
+
+    monkeypatch.setattr(pipeline_module.RelayCache, "from_prefix", staticmethod(slow_from_prefix))
+    barrier = threading.Barrier(4)
+    got = []
+
+    def call():
+        barrier.wait()
+        got.append(relay_pipe.prefix_cache())
+
+    threads = [threading.Thread(target=call) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(built) == 1 and len(got) == 4 and all(c is got[0] for c in got)
+
+
+def test_chat_with_its_own_system_message(relay_pipe, smollm2, system):
     model, tokenizer = smollm2
     pirate = [{"role": "system", "content": "You are a pirate. Answer like one."},
               {"role": "user", "content": "How long does the boiler take to heat up?"}]
-    mixed = [QUESTIONS[0], pirate, [{"role": "user", "content": QUESTIONS[1]}]]
+    mixed = [QS[0], pirate, [{"role": "user", "content": QS[1]}]]
     got = relay_pipe(mixed, batch_size=3, **GEN)
     relay_hf.unpatch(model)
     stock = transformers.pipeline("text-generation", model=model, tokenizer=tokenizer)
-    expected = stock([*chats(system_prompt, QUESTIONS[:1]), pirate, *chats(system_prompt, QUESTIONS[1:2])],
+    expected = stock([*chats(system, QS[:1]), pirate, *chats(system, QS[1:2])],
                      batch_size=3, **GEN)
     assert got == expected
     assert got[1][0]["generated_text"][0]["content"].startswith("You are a pirate")
 
 
-def test_return_full_text_and_streaming_match_stock(relay_pipe, smollm2, system_prompt):
+def test_return_full_text_and_streaming_match_stock(relay_pipe, smollm2, system):
     class Collect(BaseStreamer):
         def __init__(self):
             self.tokens = []
@@ -84,22 +161,115 @@ def test_return_full_text_and_streaming_match_stock(relay_pipe, smollm2, system_
             pass
 
     relay_stream = Collect()
-    got = relay_pipe(QUESTIONS[2], return_full_text=False, streamer=relay_stream, **GEN)
+    got = relay_pipe(QS[2], return_full_text=False, streamer=relay_stream, **GEN)
     model, tokenizer = smollm2
     relay_hf.unpatch(model)
     stock_stream = Collect()
     stock = transformers.pipeline("text-generation", model=model, tokenizer=tokenizer)
-    expected = stock(chats(system_prompt, QUESTIONS[2:3])[0], return_full_text=False, streamer=stock_stream, **GEN)
+    expected = stock(chats(system, QS[2:3])[0], return_full_text=False, streamer=stock_stream, **GEN)
     assert got == expected and isinstance(got[0]["generated_text"], str)
     assert relay_stream.tokens == stock_stream.tokens and len(relay_stream.tokens) > 2
 
 
-def test_registered_with_transformers(smollm2, system_prompt):
+def test_callers_tokenizer_is_left_as_it_is(smollm2, system):
+    model, session_tokenizer = smollm2
+    relay_hf.unpatch(model)
+    tokenizer = copy.deepcopy(session_tokenizer)
+    tokenizer.padding_side, tokenizer.pad_token = "right", None
+    with relay_hf.pipeline("text-generation", model=model, tokenizer=tokenizer, system_prompt=system) as pipe:
+        out = pipe(QS[:2], batch_size=2, max_new_tokens=1, do_sample=False)  # batching needs a pad token
+        assert pipe.tokenizer is not tokenizer
+        assert (pipe.tokenizer.padding_side, pipe.tokenizer.pad_token) == ("left", tokenizer.eos_token)
+    assert len(out) == 2 and (tokenizer.padding_side, tokenizer.pad_token) == ("right", None)
+    assert not relay_hf.is_patched(model)
+
+
+def test_the_patch_lives_as_long_as_the_pipelines_that_applied_it(smollm2, system):
     model, tokenizer = smollm2
+    relay_hf.unpatch(model)
+    first = relay_hf.pipeline(model=model, tokenizer=tokenizer, system_prompt=system)
+    second = transformers.pipeline("relay-text-generation", model=model, tokenizer=tokenizer)
+    assert relay_hf.is_patched(model)
+    first.close()
+    assert relay_hf.is_patched(model)  # the second pipeline still uses it
+    del second
+    gc.collect()
+    assert not relay_hf.is_patched(model)
+
+
+def test_a_model_patched_by_its_caller_stays_patched(smollm2, system):
+    model, tokenizer = smollm2
+    relay_hf.patch(model)
+    try:
+        relay_hf.pipeline(model=model, tokenizer=tokenizer, system_prompt=system).close()
+        assert relay_hf.is_patched(model)
+    finally:
+        relay_hf.unpatch(model)
+
+
+def test_no_cache_for_a_model_relay_cannot_serve(smollm2, system, monkeypatch):
+    """Gemma 2 (attention softcapping): the patch declines, the pipeline builds no RelayCache and answers as stock."""
+    _, session_tokenizer = smollm2
+    config = transformers.Gemma2Config(vocab_size=len(session_tokenizer), hidden_size=64, intermediate_size=64,
+                                       num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                                       pad_token_id=session_tokenizer.pad_token_id, attn_implementation="eager")
+    torch.manual_seed(0)
+    model = transformers.Gemma2ForCausalLM(config).eval()
+    gen = dict(max_new_tokens=3, do_sample=False)
+    stock = transformers.pipeline("text-generation", model=model, tokenizer=session_tokenizer)
+    expected = stock(chats(system, QS[:2]), batch_size=2, **gen)
+    built = []
+    monkeypatch.setattr(pipeline_module.RelayCache, "from_prefix", staticmethod(lambda *a: built.append(a)))
+    with pytest.warns(relay_hf.RelayFallbackWarning, match="softcapping"):
+        pipe = relay_hf.pipeline(model=model, tokenizer=session_tokenizer, system_prompt=system)
+    with pipe:
+        assert pipe(QS[:2], batch_size=2, **gen) == expected
+        assert pipe.prefix_cache() is None and built == []
+
+
+def test_registered_with_transformers(smollm2, system):
+    model, tokenizer = smollm2
+    _, impl, _ = PIPELINE_REGISTRY.check_task("relay-text-generation")
+    stock = PIPELINE_REGISTRY.check_task("text-generation")[1]
+    assert impl["impl"] is pipeline_module.RelayTextGenerationPipeline and impl["pt"] == stock["pt"]
+    assert impl["type"] == stock["type"] == "text" and impl["default"] == stock["default"]
     try:
         pipe = transformers.pipeline("relay-text-generation", model=model, tokenizer=tokenizer,
-                                     system_prompt=system_prompt)
-        assert isinstance(pipe, relay_hf.RelayTextGenerationPipeline) and relay_hf.is_patched(model)
+                                     system_prompt=system)
+        assert isinstance(pipe, pipeline_module.RelayTextGenerationPipeline) and relay_hf.is_patched(model)
         assert torch.equal(pipe.prefix_cache().prefix_ids, pipe.prefix_ids())
     finally:
         relay_hf.unpatch(model)
+    with pytest.raises(ValueError, match="summarization"):
+        relay_hf.pipeline("summarization", model=model)
+
+
+def test_model_by_path_with_loading_kwargs(smollm2, stock_answers, system):
+    """A local path (or Hub id) with what transformers.pipeline takes: model_kwargs (a GGUF file), dtype,
+    device_map."""
+    pipe = relay_hf.pipeline("text-generation", model=smollm2_dir(), model_kwargs={"gguf_file": SMOLLM2_FILE},
+                             dtype=torch.float32, device_map="cpu", system_prompt=system)
+    assert pipe.model is not smollm2[0] and pipe.model.dtype == torch.float32 and relay_hf.is_patched(pipe.model)
+    assert pipe(QS[:3], batch_size=3, **GEN) == stock_answers[3][:3]
+    assert pipe.model.relay_last_decision.used
+
+
+def test_kv_bytes_count_held_storage_once():
+    """examples/chat_batch.py measures KV memory from the caches' tensors: each storage once, however many layers
+    or forks refer to it."""
+    from transformers import DynamicCache
+
+    n, H, D = 2, 2, 16
+    config = transformers.LlamaConfig(num_hidden_layers=n, num_attention_heads=H, num_key_value_heads=H,
+                                      hidden_size=H * D, head_dim=D)
+    dynamic = DynamicCache()
+    for i in range(n):
+        dynamic.update(torch.randn(3, H, 5, D), torch.randn(3, H, 5, D), i)
+    assert held_bytes(dynamic) == 2 * n * 3 * H * 5 * D * 4
+    shared = (torch.randn(1, H, 7, D), torch.randn(1, H, 7, D))
+    cache = relay_hf.RelayCache(config, [shared] * n)  # every layer refers to one prefix storage
+    assert held_bytes(cache) == 2 * H * 7 * D * 4
+    fork = cache.fork()  # shares the prefix storage, adds per-row suffix buffers
+    for i in range(n):
+        fork.update(torch.randn(3, H, 2, D), torch.randn(3, H, 2, D), i)
+    assert held_bytes(fork) - held_bytes(cache) >= 2 * n * 3 * H * 2 * D * 4

@@ -111,12 +111,12 @@ def _wrap_user_hooks(call: dict, inv: torch.Tensor, plan: Plan) -> None:
         call["streamer"] = _StreamerView(call["streamer"], inv)
 
 
-def _static_slot(model, base: RelayCache, plan: Plan) -> StaticSlot:
-    """A static fork of ``base`` for this call: the model's idle one refilled in place when its shapes fit (as
-    transformers keeps its StaticCache, so compiled graphs are not re-recorded), else a new one."""
+def _static_slot(model, base: RelayCache, plan: Plan, pads: torch.Tensor) -> StaticSlot:
+    """A static fork of ``base`` for this call (``pads [R]``: each row's left padding): the model's idle one refilled
+    in place when its shapes fit (as transformers keeps its StaticCache, so compiled graphs are not re-recorded), else
+    a new one."""
     T, P = plan.ids.shape[1], plan.prefix_length
     cap = -(-(T + plan.new_tokens - P) // STATIC_ROUNDING) * STATIC_ROUNDING
-    pads = plan.n_pad.to(torch.int32).repeat_interleave(plan.rows // plan.ids.shape[0])
     slot = model._relay_state.take_static(lambda cache: cache.can_refill(base, plan.rows, cap))
     if slot is None:
         return StaticSlot(base.fork(max_suffix_length=cap, suffix_padding=pads))
@@ -131,9 +131,10 @@ def _run_relay(model, stock, call: dict, plan: Plan):
     base = plan.user_cache
     if base is None:
         base = RelayCache.from_prefix(model, ids[0, int(n_pad[0]):int(n_pad[0]) + P])
-    slot = _static_slot(model, base, plan) if plan.static else None
+    pads = n_pad.to(torch.int32).repeat_interleave(plan.rows // ids.shape[0])  # [R] rows with beams / returns
+    slot = _static_slot(model, base, plan, pads) if plan.static else None
     if slot is None:
-        cache = base.fork(suffix_padding=plan.n_pad.repeat_interleave(plan.rows // plan.ids.shape[0]))
+        cache = base.fork(suffix_padding=pads)
         cache.reserve(T + plan.new_tokens - P)  # suffix buffers sized once: prompt after the prefix + new tokens
     else:
         cache = slot.cache

@@ -51,7 +51,7 @@ def _configs(model) -> list:
     seen = {id(model.config): model.config}
     for module in model.modules():
         config = getattr(module, "config", None)
-        if config is not None and hasattr(config, "_attn_implementation"):
+        if config is not None and attn_implementation(config) is not None:
             seen.setdefault(id(config), config)
     return list(seen.values())
 

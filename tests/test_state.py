@@ -1,0 +1,47 @@
+"""What a patched model keeps: one idle static slot, handed to one call at a time; settings survive copies."""
+
+import copy
+import pickle
+import threading
+
+from relay_hf.state import RelayState, StaticSlot
+
+
+def test_the_idle_slot_goes_to_one_caller_at_a_time():
+    state = RelayState("sdpa", 8, None)
+    slot = StaticSlot(cache=object())
+    assert state.take_static(lambda cache: True) is None
+    state.give_back_static(slot)
+    taken = []
+    barrier = threading.Barrier(4)
+
+    def take():
+        barrier.wait()
+        taken.append(state.take_static(lambda cache: True))
+
+    threads = [threading.Thread(target=take) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert [s for s in taken if s is not None] == [slot]
+
+
+def test_a_slot_that_does_not_fit_is_dropped_and_one_idle_slot_is_kept():
+    state = RelayState("sdpa", 8, None)
+    first, second = StaticSlot(cache="a"), StaticSlot(cache="b")
+    state.give_back_static(first)
+    state.give_back_static(second)  # a concurrent caller's: one idle slot is enough
+    assert state.idle_static() is first
+    assert state.take_static(lambda cache: cache == "b") is None
+    assert state.idle_static() is None  # the misfit was dropped, so its buffers can be freed before new ones
+
+
+def test_copies_keep_the_settings_and_no_buffers():
+    state = RelayState("eager", 16, "declined: why")
+    state.give_back_static(StaticSlot(cache="buffers"))
+    for twin in (copy.deepcopy(state), pickle.loads(pickle.dumps(state))):
+        assert (twin.original_attn, twin.min_prefix_length, twin.declined) == ("eager", 16, "declined: why")
+        assert twin.idle_static() is None
+        twin.give_back_static(StaticSlot(cache="new"))  # a working lock of its own
+        assert twin.idle_static().cache == "new"

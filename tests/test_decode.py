@@ -8,7 +8,7 @@ from transformers.generation.streamers import BaseStreamer
 
 import relay_hf
 from relay_hf.decode import _stop_length
-from tests.helpers import shared_prefix_batch, tiny_model
+from tests.helpers import run_relay, run_stock, shared_prefix_batch, tiny_model
 
 STATIC = dict(cache_implementation="static", do_sample=False)
 
@@ -18,10 +18,8 @@ class _UserTopK(TopKLogitsWarper):
 
 
 def _stock_then_relay(model, ids, mask, **gen):
-    relay_hf.unpatch(model)
-    stock = model.generate(ids, attention_mask=mask, do_sample=False, **gen)
-    relay_hf.patch(model, min_prefix_length=8)
-    return stock, model.generate(ids, attention_mask=mask, **STATIC, **gen)
+    """Stock greedy generate, then the patched model on a static cache (relay_hf's loop where it serves the call)."""
+    return run_stock(model, ids, mask, do_sample=False, **gen), run_relay(model, ids, mask, **STATIC, **gen)
 
 
 def _row_eos(model, ids, mask) -> list[int]:

@@ -1,8 +1,13 @@
-"""The one dispatch rule: relay vs the plain path."""
+"""Every relay-or-stock rule: when relay pays, and the one frozen plan ``decide`` makes per call."""
 
+import dataclasses
+
+import pytest
 import torch
 
-from relay_hf.policy import CUDA_MIN_SHARED_TOKENS, relay_pays
+import relay_hf
+from relay_hf.policy import CUDA_MIN_SHARED_TOKENS, decide, relay_pays
+from tests.helpers import shared_prefix_batch, tiny_model
 
 CPU, CUDA = torch.device("cpu"), torch.device("cuda")
 
@@ -26,3 +31,34 @@ def test_captured_loop_runs_relay_from_one_row_on_cuda_only():
     assert "min_prefix_length" in relay_pays(1, 16, CUDA, 32, captured_loop=True)
     assert "single row" in relay_pays(1, 4096, CPU, 32, captured_loop=True)  # no captured loop on CPU
     assert "single row" in relay_pays(1, 4096, CUDA, 32)
+
+
+# -- decide: one frozen plan per call ------------------------------------------------------------------------------
+def _call(ids, mask, **kw):
+    return dict(inputs=ids, attention_mask=mask, **kw)
+
+
+def test_a_plan_says_what_runs_and_why():
+    model = tiny_model("llama")
+    ids, mask, _ = shared_prefix_batch()
+    plan = decide(model, _call(ids, mask))
+    assert not plan.relay and plan.expected and "not patched" in plan.reason
+    relay_hf.patch(model, min_prefix_length=8)
+    plan = decide(model, _call(ids, mask, max_new_tokens=5))
+    assert plan.relay and (plan.rows, plan.prefix_length, plan.new_tokens) == (4, 40, 5) and not plan.static
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        plan.relay = False
+    static = decide(model, _call(ids, mask, max_new_tokens=5, cache_implementation="static"))
+    assert static.static and static.fast_decode and static.compile_config is None  # no compile on the CPU
+    sampled = decide(model, _call(ids, mask, max_new_tokens=5, cache_implementation="static", do_sample=True))
+    assert sampled.static and not sampled.fast_decode and "do_sample" in sampled.loop_reason
+    beams = decide(model, _call(ids, mask, num_beams=2, num_return_sequences=2))
+    assert beams.relay and beams.rows == 8 and not beams.static
+    ngram = decide(model, _call(ids, mask, no_repeat_ngram_size=2))
+    assert not ngram.relay and not ngram.expected and "no_repeat_ngram_size" in ngram.reason
+    one = decide(model, _call(ids[:1], mask[:1]))
+    assert not one.relay and one.expected and "single row" in one.reason
+    decision = plan.decision()
+    assert (decision.used, decision.prefix_length, decision.rows) == (True, 40, 4)
+    model.set_attn_implementation("eager")
+    assert "set to 'eager'" in decide(model, _call(ids, mask)).reason

@@ -24,20 +24,34 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, causal_mask_function, sdpa_mask
 from transformers.utils import is_torchdynamo_compiling
 
-from ._compat import eager_attention_function, registered_attention, registered_mask
+from ._compat import attn_implementation, eager_attention_function, registered_attention, registered_mask
 from .cache import ATTN_NAME, RelayKV
 from .kernels import relay_attention
 
 DEFAULT_STOCK = "sdpa"
-# id(config) -> the attention implementation that config had before ``patch``; entries die with their config
+# The name a patched model runs under says which implementation it runs without a relay prefix, so a copied or
+# unpickled model keeps it. (No "flash" in these names: transformers treats such names as flash attention.)
+RELAY_NAMES = {"sdpa": ATTN_NAME, "eager": "relay_eager", "flash_attention_2": "relay_fa2",
+               "flash_attention_3": "relay_fa3", "flash_attention_4": "relay_fa4", "flex_attention": "relay_flex"}
+_STOCK_OF = {relay: stock for stock, relay in RELAY_NAMES.items()}
+# id(config) -> an implementation no relay name says (a hub kernel, or a sub-config's own); entries die with it
 _STOCK: dict[int, str] = {}
 
 
+def relay_name(stock: str | None) -> str:
+    """The registered name a model whose own implementation is ``stock`` runs under once patched."""
+    return RELAY_NAMES.get(stock or DEFAULT_STOCK, ATTN_NAME)
+
+
+def is_relay_name(name: str | None) -> bool:
+    return name in _STOCK_OF
+
+
 def set_stock_implementation(config, name: str | None) -> None:
-    """Remember ``name`` as what ``"relay"`` runs for ``config`` whenever there is no relay prefix (``None``: forget).
-    Keyed by identity, so a copied model (new config objects) falls back to ``DEFAULT_STOCK``."""
+    """Remember ``name`` as what relay runs for ``config`` without a relay prefix, where the config's relay name
+    does not say it (``None``: forget)."""
     key = id(config)
-    if name is None:
+    if name is None or _STOCK_OF.get(attn_implementation(config)) == name:
         _STOCK.pop(key, None)
         return
     if key not in _STOCK:
@@ -46,7 +60,9 @@ def set_stock_implementation(config, name: str | None) -> None:
 
 
 def stock_implementation(config) -> str:
-    return _STOCK.get(id(config), DEFAULT_STOCK)
+    if id(config) in _STOCK:
+        return _STOCK[id(config)]
+    return _STOCK_OF.get(attn_implementation(config), DEFAULT_STOCK)
 
 
 @dataclass
@@ -150,9 +166,11 @@ def relay_attention_forward(module: torch.nn.Module, query: torch.Tensor, key, v
 
 
 def register() -> None:
-    """Register ``"relay"`` with transformers' attention and mask interfaces (idempotent)."""
-    AttentionInterface.register(ATTN_NAME, relay_attention_forward)
-    AttentionMaskInterface.register(ATTN_NAME, relay_mask)
+    """Register ``"relay"`` (and its names for non-sdpa models) with transformers' attention and mask interfaces
+    (idempotent)."""
+    for name in _STOCK_OF:
+        AttentionInterface.register(name, relay_attention_forward)
+        AttentionMaskInterface.register(name, relay_mask)
 
 
 register()

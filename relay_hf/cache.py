@@ -410,7 +410,9 @@ class RelayCache(Cache):
     @property
     def relay_active(self) -> bool:
         """Whether attention goes through relay (patched model) rather than a stock implementation."""
-        return attn_implementation(self.config) == ATTN_NAME
+        from .attention import is_relay_name  # the seam imports this module
+
+        return is_relay_name(attn_implementation(self.config))
 
     @property
     def prefix_device(self) -> torch.device | None:

@@ -13,7 +13,6 @@ Per call: ``policy.decide`` plans relay or stock. Stock runs the class's own ``g
 
 from __future__ import annotations
 
-import copy
 import inspect
 import logging
 import re
@@ -34,7 +33,6 @@ from .state import StaticSlot
 
 logger = logging.getLogger("relay_hf")
 
-STATIC_ROUNDING = 256  # static suffix buffers are sized in multiples of this, so similar calls reuse one compiled graph
 _warned: set[str] = set()
 _warned_lock = threading.Lock()
 
@@ -115,8 +113,7 @@ def _static_slot(model, base: RelayCache, plan: Plan, pads: torch.Tensor) -> Sta
     """A static fork of ``base`` for this call (``pads [R]``: each row's left padding): the model's idle one refilled
     in place when its shapes fit (as transformers keeps its StaticCache, so compiled graphs are not re-recorded), else
     a new one."""
-    T, P = plan.ids.shape[1], plan.prefix_length
-    cap = -(-(T + plan.new_tokens - P) // STATIC_ROUNDING) * STATIC_ROUNDING
+    cap = plan.static_capacity
     slot = model._relay_state.take_static(lambda cache: cache.can_refill(base, plan.rows, cap))
     if slot is None:
         return StaticSlot(base.fork(max_suffix_length=cap, suffix_padding=pads))
@@ -138,10 +135,9 @@ def _run_relay(model, stock, call: dict, plan: Plan):
         cache.reserve(T + plan.new_tokens - P)  # suffix buffers sized once: prompt after the prefix + new tokens
     else:
         cache = slot.cache
-    call = {k: v for k, v in call.items() if k not in ("inputs", "input_ids", "cache_implementation", *CACHE_NAMES)}
-    if getattr(call.get("generation_config"), "cache_implementation", None) is not None:
-        call["generation_config"] = copy.deepcopy(call["generation_config"])
-        call["generation_config"].cache_implementation = None  # the RelayCache we pass is the cache
+    call = {k: v for k, v in call.items() if k not in ("inputs", "input_ids", *CACHE_NAMES)}
+    if plan.gen.cache_implementation is not None:  # from the call, its config or the model's: our cache is the cache
+        call["cache_implementation"] = None
     call["attention_mask"] = mask.gather(1, perm)
     call[cache_kwarg_name(model)] = cache
     _wrap_user_hooks(call, inv, plan)

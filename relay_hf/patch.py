@@ -12,7 +12,6 @@ import warnings
 
 from . import attention
 from ._compat import attn_implementation, can_set_attn_implementation
-from .cache import ATTN_NAME
 from .generate import RelayFallbackWarning, RelayGenerate
 from .probe import probe_reason
 from .state import RelayState
@@ -59,14 +58,14 @@ def _configs(model) -> list:
 def _switch_to_relay(model) -> None:
     configs = _configs(model)
     stock = [(c, attn_implementation(c)) for c in configs]
-    model.set_attn_implementation(ATTN_NAME)
-    for config, name in stock:
+    model.set_attn_implementation(attention.relay_name(attn_implementation(model.config)))
+    for config, name in stock:  # a sub-config whose own implementation differs from the model's
         attention.set_stock_implementation(config, name)
 
 
 def _switch_back(model, original: str) -> None:
     configs = _configs(model)
-    if attn_implementation(model.config) == ATTN_NAME:  # a choice the user made after patch stays
+    if attention.is_relay_name(attn_implementation(model.config)):  # a choice the user made after patch stays
         model.set_attn_implementation(original)
     for config in configs:
         attention.set_stock_implementation(config, None)
@@ -85,6 +84,10 @@ def patch(model, *, min_prefix_length: int = DEFAULT_MIN_PREFIX_LENGTH):
     """
     if not isinstance(min_prefix_length, int) or isinstance(min_prefix_length, bool) or min_prefix_length < 0:
         raise ValueError(f"min_prefix_length must be a non-negative int, got {min_prefix_length!r}")
+    if hasattr(model, "_orig_mod"):  # torch.compile's wrapper: no generate of its own to patch
+        raise ValueError("relay_hf.patch needs the model itself, not a torch.compile wrapper: patch the model, then "
+                         "compile its forward if you like (or ask generate for a compiled decode with "
+                         "cache_implementation='static')")
     if is_patched(model):
         model._relay_state.min_prefix_length = min_prefix_length
         return model

@@ -23,13 +23,15 @@ import torch
 from transformers import CompileConfig, GenerationConfig
 
 from ._compat import attn_implementation, compile_all_devices, resolve_generation_config
-from .cache import ATTN_NAME, RelayCache
+from .attention import is_relay_name
+from .cache import RelayCache
 from .prefix import common_prefix_length, first_mismatch, left_padding
 
 # rows * prefix tokens below which the CUDA relay kernel is not measured to beat SDPA over the expanded prefix
 # (B=8, S=512: 1.31x; docs/performance.md, kernel table)
 CUDA_MIN_SHARED_TOKENS = 4096
 CACHE_NAMES = ("cache", "past_key_values")
+STATIC_ROUNDING = 256  # static suffix buffers are sized in multiples of this, so similar calls reuse one captured step
 # generate() arguments relay does not serve
 _STOCK_KWARGS = ("inputs_embeds", "position_ids", "assistant_model", "prefix_allowed_tokens_fn", "custom_generate",
                  "negative_prompt_ids", "negative_prompt_attention_mask", "decoder_input_ids", "assistant_tokenizer",
@@ -43,6 +45,7 @@ _STOCK_FIELDS = {
     "output_attentions": (None, False), "output_hidden_states": (None, False), "token_healing": (None, False),
     "prefill_chunk_size": (None,), "dola_layers": (None,), "penalty_alpha": (None,),
     "prompt_lookup_num_tokens": (None,), "assistant_early_exit": (None,), "num_beam_groups": (None, 1),
+    "use_mtp": (None, False), "speculation_type": (None,),
     "diversity_penalty": (None, 0.0), "constraints": (None,), "force_words_ids": (None,),
 }
 # generation-config fields (with their neutral values) that add a processor or criterion relay_hf's loop does not
@@ -87,7 +90,8 @@ class Plan:
         static: a static (compileable) ``RelayCache``; ``fast_decode``: relay_hf's own decode loop decodes,
             compiled with ``compile_config`` (and captured as a CUDA graph on CUDA) where that is set
             (``loop_reason`` says why not).
-        new_tokens: tokens stock ``generate`` would make at most. ``ids`` / ``mask`` ``[B, T]``; ``n_pad`` ``[B]``
+        new_tokens: tokens stock ``generate`` would make at most. ``static_capacity``: suffix positions of the
+            static cache. ``ids`` / ``mask`` ``[B, T]``; ``n_pad`` ``[B]``
             left pads; ``user_cache``: the caller's ``RelayCache`` (never mutated); ``gen``: the resolved config.
     """
 
@@ -100,6 +104,7 @@ class Plan:
     fast_decode: bool = False
     loop_reason: str = ""
     new_tokens: int = 0
+    static_capacity: int = 0
     ids: torch.Tensor | None = field(default=None, repr=False)
     mask: torch.Tensor | None = field(default=None, repr=False)
     n_pad: torch.Tensor | None = field(default=None, repr=False)
@@ -127,7 +132,7 @@ def model_reason(model) -> str | None:
     if state.declined is not None:
         return state.declined
     name = attn_implementation(model.config)
-    if name != ATTN_NAME:
+    if not is_relay_name(name):
         return f"the model's attention implementation was set to {name!r} after relay_hf.patch"
     return None
 
@@ -254,6 +259,8 @@ def _decide(model, call: dict) -> Plan:
     why = model_reason(model)
     if why is not None:
         raise _Stock(why, expected=True)
+    if model.training:  # dropout draws its random numbers in another order once the prefix is prefilled apart
+        raise _Stock("the model is in training mode (call model.eval())")
     cache = user_cache(call)
     if cache is not None and not isinstance(cache, RelayCache):
         raise _Stock(f"a {type(cache).__name__} was passed as the cache", expected=True)
@@ -315,6 +322,10 @@ def _decide(model, call: dict) -> Plan:
     if window is not None and T + n_new > window:
         raise _Stock(f"sequence length {T + n_new} exceeds the sliding window {window}: the window would drop "
                      "prefix tokens")
+    capacity = 0
+    if static:  # rounded up so similar calls reuse one captured step, never past a sliding window
+        capacity = -(-(T + n_new - P) // STATIC_ROUNDING) * STATIC_ROUNDING
+        capacity = capacity if window is None else min(capacity, window - P)
     return Plan(True, "relay", rows=rows, prefix_length=P, static=static, fast_decode=fast,
-                loop_reason="relay_hf decode loop" if fast else loop_why, new_tokens=n_new,
+                loop_reason="relay_hf decode loop" if fast else loop_why, new_tokens=n_new, static_capacity=capacity,
                 ids=ids, mask=mask, n_pad=n_pad, user_cache=cache, gen=gen, compile_config=compiled)

@@ -612,3 +612,53 @@ def test_stock_fallback_with_a_static_cache_runs_the_models_own_attention():
     assert not model.relay_last_decision.used
     assert torch.equal(stock, out)
     assert model.config._attn_implementation == "relay"
+
+
+# -- found by an adversarial sweep ----------------------------------------------------------------------------------
+def test_a_model_whose_generation_config_asks_for_a_static_cache():
+    model = tiny_model("llama")
+    model.generation_config.cache_implementation = "static"
+    ids, mask, _ = shared_prefix_batch(seed=34)
+    for kw in (dict(do_sample=True), dict(return_dict_in_generate=True, output_scores=True), dict(num_beams=2)):
+        stock, relay = run_stock(model, ids, mask, seed=2, max_new_tokens=5, **kw), run_relay(
+            model, ids, mask, seed=2, max_new_tokens=5, **kw)
+        assert torch.equal(_seq(stock), _seq(relay)), kw
+
+
+@pytest.mark.parametrize("arch,window", [("mistral", dict(sliding_window=60)),
+                                         ("qwen2", dict(use_sliding_window=True, sliding_window=52))])
+def test_a_static_cache_within_a_sliding_window(arch, window):
+    model = tiny_model(arch, **window)
+    ids, mask, _ = shared_prefix_batch(seed=35)
+    kw = dict(max_new_tokens=3, do_sample=False, cache_implementation="static")
+    stock, relay = run_stock(model, ids, mask, **kw), run_relay(model, ids, mask, **kw)
+    assert model.relay_last_decision.used and torch.equal(stock, relay)
+
+
+def test_a_model_in_training_mode_runs_stock():
+    model = tiny_model("phi3", resid_pdrop=0.3, embd_pdrop=0.3).train()
+    ids, mask, _ = shared_prefix_batch(seed=36)
+    stock, relay = run_stock(model, ids, mask, seed=3, max_new_tokens=4), run_relay(model, ids, mask, seed=3,
+                                                                                  max_new_tokens=4)
+    assert "training mode" in model.relay_last_decision.reason and torch.equal(stock, relay)
+
+
+def test_a_copied_eager_model_keeps_its_own_attention():
+    import copy
+
+    model = tiny_model("llama", attn_implementation="eager")
+    ids, mask, _ = shared_prefix_batch(seed=37)
+    kw = dict(max_new_tokens=2, do_sample=False, output_attentions=True, return_dict_in_generate=True)
+    stock = model.generate(ids, attention_mask=mask, **kw)
+    twin = copy.deepcopy(relay_hf.patch(model, min_prefix_length=8))
+    assert twin.config._attn_implementation == "relay_eager"
+    out = twin.generate(ids, attention_mask=mask, **kw)
+    assert torch.equal(out.sequences, stock.sequences) and len(out.attentions) == len(stock.attentions)
+    assert all(torch.equal(a, b) for a, b in zip(out.attentions[0], stock.attentions[0], strict=True))
+    relay_hf.unpatch(twin)
+    assert twin.config._attn_implementation == "eager"
+
+
+def test_a_compiled_wrapper_is_refused_by_name():
+    with pytest.raises(ValueError, match="torch.compile wrapper"):
+        relay_hf.patch(torch.compile(tiny_model("llama")))

@@ -21,16 +21,7 @@ from transformers.pipelines.pt_utils import KeyDataset
 
 import relay_hf
 
-QUESTIONS = [
-    "How long does the boiler take to heat up?",
-    "My shot ran in 15 seconds. What should I change?",
-    "Can I descale with vinegar?",
-    "What does a blinking red ring light mean?",
-    "How often should I replace the water filter?",
-    "How do I backflush the group head?",
-    "Is the warranty longer if I register the machine?",
-    "What grind setting should I start with for a double shot?",
-]
+QUESTIONS = (Path(__file__).parent / "questions.txt").read_text().splitlines()  # the demo's 8 questions
 
 
 def main() -> None:

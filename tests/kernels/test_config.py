@@ -93,11 +93,11 @@ def test_cached_tma_descriptors_keep_no_prefix_alive():
         first = launch.descriptors(pk, pv)
         assert first[0] is not None and launch.descriptors(pk, pv) is first
         assert not isinstance(first[0].base, torch.Tensor) and first[0].base.data_ptr() == pk.data_ptr()
+        moved = make_inputs(2, 2, 2, 1, 5, 128, 64, dtype=torch.bfloat16, seed=4)[1]  # while pk lives: a new address
         alive = weakref.ref(pk)
         del pk
         gc.collect()
         assert alive() is None
-        moved = make_inputs(2, 2, 2, 1, 5, 128, 64, dtype=torch.bfloat16, seed=4)[1]
         assert launch.descriptors(moved, pv) is not first
         odd = torch.empty(moved.numel() + 1, dtype=moved.dtype)[1:].view(moved.shape)  # 2-byte offset base
         assert launch.descriptors(odd, pv) == (None, None)

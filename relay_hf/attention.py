@@ -25,15 +25,10 @@ from transformers.masking_utils import AttentionMaskInterface, causal_mask_funct
 from transformers.utils import is_torchdynamo_compiling
 
 from ._compat import attn_implementation, eager_attention_function, registered_attention, registered_mask
-from .cache import ATTN_NAME, RelayKV
+from .cache import ATTN_NAME, RELAY_NAMES, STOCK_OF, RelayKV
 from .kernels import relay_attention
 
 DEFAULT_STOCK = "sdpa"
-# The name a patched model runs under says which implementation it runs without a relay prefix, so a copied or
-# unpickled model keeps it. (No "flash" in these names: transformers treats such names as flash attention.)
-RELAY_NAMES = {"sdpa": ATTN_NAME, "eager": "relay_eager", "flash_attention_2": "relay_fa2",
-               "flash_attention_3": "relay_fa3", "flash_attention_4": "relay_fa4", "flex_attention": "relay_flex"}
-_STOCK_OF = {relay: stock for stock, relay in RELAY_NAMES.items()}
 # id(config) -> an implementation no relay name says (a hub kernel, or a sub-config's own); entries die with it
 _STOCK: dict[int, str] = {}
 
@@ -43,15 +38,11 @@ def relay_name(stock: str | None) -> str:
     return RELAY_NAMES.get(stock or DEFAULT_STOCK, ATTN_NAME)
 
 
-def is_relay_name(name: str | None) -> bool:
-    return name in _STOCK_OF
-
-
 def set_stock_implementation(config, name: str | None) -> None:
     """Remember ``name`` as what relay runs for ``config`` without a relay prefix, where the config's relay name
     does not say it (``None``: forget)."""
     key = id(config)
-    if name is None or _STOCK_OF.get(attn_implementation(config)) == name:
+    if name is None or STOCK_OF.get(attn_implementation(config)) == name:
         _STOCK.pop(key, None)
         return
     if key not in _STOCK:
@@ -62,7 +53,7 @@ def set_stock_implementation(config, name: str | None) -> None:
 def stock_implementation(config) -> str:
     if id(config) in _STOCK:
         return _STOCK[id(config)]
-    return _STOCK_OF.get(attn_implementation(config), DEFAULT_STOCK)
+    return STOCK_OF.get(attn_implementation(config), DEFAULT_STOCK)
 
 
 @dataclass
@@ -168,7 +159,7 @@ def relay_attention_forward(module: torch.nn.Module, query: torch.Tensor, key, v
 def register() -> None:
     """Register ``"relay"`` (and its names for non-sdpa models) with transformers' attention and mask interfaces
     (idempotent)."""
-    for name in _STOCK_OF:
+    for name in STOCK_OF:
         AttentionInterface.register(name, relay_attention_forward)
         AttentionMaskInterface.register(name, relay_mask)
 

@@ -26,6 +26,16 @@ from transformers.utils import is_torchdynamo_compiling
 from ._compat import attn_implementation, cache_kwarg_name
 
 ATTN_NAME = "relay"
+# The name a patched model runs under says which implementation it runs without a relay prefix, so a copied or
+# unpickled model keeps it. (No "flash" in these names: transformers treats such names as flash attention.)
+RELAY_NAMES = {"sdpa": ATTN_NAME, "eager": "relay_eager", "flash_attention_2": "relay_fa2",
+               "flash_attention_3": "relay_fa3", "flash_attention_4": "relay_fa4", "flex_attention": "relay_flex"}
+STOCK_OF = {relay: stock for stock, relay in RELAY_NAMES.items()}
+
+
+def is_relay_name(name: str | None) -> bool:
+    """Whether ``name`` is one of the attention implementations relay_hf registers."""
+    return name in STOCK_OF
 
 
 class RelayKV(NamedTuple):
@@ -410,8 +420,6 @@ class RelayCache(Cache):
     @property
     def relay_active(self) -> bool:
         """Whether attention goes through relay (patched model) rather than a stock implementation."""
-        from .attention import is_relay_name  # the seam imports this module
-
         return is_relay_name(attn_implementation(self.config))
 
     @property

@@ -138,16 +138,16 @@ def _run_relay(model, stock, call: dict, plan: Plan):
     call = {k: v for k, v in call.items() if k not in ("inputs", "input_ids", *CACHE_NAMES)}
     if plan.gen.cache_implementation is not None:  # from the call, its config or the model's: our cache is the cache
         call["cache_implementation"] = None
-    call["attention_mask"] = mask.gather(1, perm)
+    relay_ids, call["attention_mask"] = ids.gather(1, perm), mask.gather(1, perm)  # [B, T] in relay layout
     call[cache_kwarg_name(model)] = cache
     _wrap_user_hooks(call, inv, plan)
     try:
         if plan.fast_decode:
             with torch.no_grad():
-                out = fast_generate(model, ids.gather(1, perm), call["attention_mask"], slot, plan.gen,
-                                    call.get("streamer"), plan.compile_config, plan.new_tokens)
+                out = fast_generate(model, relay_ids, call["attention_mask"], slot, plan.gen, call.get("streamer"),
+                                    plan.compile_config, plan.new_tokens)
             return to_stock_layout(out, inv)
-        out = stock(ids.gather(1, perm), **call)
+        out = stock(relay_ids, **call)
     finally:
         if slot is not None:
             model._relay_state.give_back_static(slot)

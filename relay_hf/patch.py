@@ -12,6 +12,7 @@ import warnings
 
 from . import attention
 from ._compat import attn_implementation, can_set_attn_implementation
+from .cache import is_relay_name
 from .generate import RelayFallbackWarning, RelayGenerate
 from .probe import probe_reason
 from .state import RelayState
@@ -65,7 +66,7 @@ def _switch_to_relay(model) -> None:
 
 def _switch_back(model, original: str) -> None:
     configs = _configs(model)
-    if attention.is_relay_name(attn_implementation(model.config)):  # a choice the user made after patch stays
+    if is_relay_name(attn_implementation(model.config)):  # a choice the user made after patch stays
         model.set_attn_implementation(original)
     for config in configs:
         attention.set_stock_implementation(config, None)

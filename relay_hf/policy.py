@@ -23,8 +23,7 @@ import torch
 from transformers import CompileConfig, GenerationConfig
 
 from ._compat import attn_implementation, compile_all_devices, resolve_generation_config
-from .attention import is_relay_name
-from .cache import RelayCache
+from .cache import RelayCache, is_relay_name
 from .prefix import common_prefix_length, first_mismatch, left_padding
 
 # rows * prefix tokens below which the CUDA relay kernel is not measured to beat SDPA over the expanded prefix

@@ -1,6 +1,6 @@
 """End-to-end ``generate`` on a random-init model (no download): stock transformers vs a patched model.
 
-    python -m benchmarks.generate --prefix-len 4096 --batch 64 --modes prefix_reuse relay_compiled
+    python -m benchmarks.generate --prefix-len 4096 --batch 64 --modes prefix_reuse relay relay_eager
     python -m benchmarks.generate --model-shape tiny --device cpu --dtype float32 --prefix-len 32 --batch 2 \\
         --new-tokens 4 --reps 1                                    # the CPU smoke run (a few seconds)
 
@@ -11,8 +11,11 @@ model's ``eos_token_id`` is unset), so every call makes exactly ``max_new_tokens
 * ``prefix_reuse``: transformers' documented prefix-caching recipe: the system prompt prefilled once into a
   DynamicCache (not timed), per call a deep copy expanded to the batch (timed) passed to ``generate``.
 * ``static``: ``generate(..., cache_implementation="static")``: transformers' compiled decode.
-* ``relay``: ``relay_hf.patch(model)``, then plain ``generate``.
-* ``relay_compiled``: ``relay_hf.patch(model)``, then ``generate(..., cache_implementation="static")``.
+* ``relay``: ``relay_hf.patch(model)``, then plain ``generate`` (on CUDA: relay_hf's loop, CUDA graphs of the eager
+  step).
+* ``relay_eager``: ``relay_hf.patch(model, decode="eager")``, then plain ``generate`` (transformers' loop).
+* ``relay_compiled``: ``relay_hf.patch(model)``, then ``generate(..., cache_implementation="static")`` (relay_hf's
+  loop with the forward compiled by inductor).
 
 Every number is the wall time of whole ``generate`` calls, the device synchronised around each call; nothing is
 hooked inside relay_hf or transformers. Per (mode, S, B) point, in this order:
@@ -26,6 +29,9 @@ hooked inside relay_hf or transformers. Per (mode, S, B) point, in this order:
 * ``sample_step`` (ms): the same with ``do_sample=True, top_p=0.9, temperature=0.7`` (its first call, which may
   compile another loop, is ``sample_first_call``).
 * ``new_batch_first_call`` (s): then the first N-token call at another batch size (``--new-batch``, 3/4 of B).
+* ``longer_prompt_call`` (s): then the first N-token call at B rows with user prompts twice as long.
+* ``host`` (µs, relay modes on CUDA): one eager ``relay_hf.relay_attention`` call at this point's decode shape (one
+  query per row, ``U + N`` suffix positions), timed over 300 calls with no synchronisation.
 
 Medians over ``--reps`` repetitions; ``lo`` / ``hi`` are their 20th / 80th percentiles.
 """
@@ -41,7 +47,19 @@ import torch
 
 import relay_hf
 
-from .common import DATA, GENERATE_FIELDS, append_rows, environment, print_table, progress, say, summary, sync, wall_s
+from .common import (
+    DATA,
+    GENERATE_FIELDS,
+    append_rows,
+    environment,
+    host_us,
+    print_table,
+    progress,
+    say,
+    summary,
+    sync,
+    wall_s,
+)
 
 SHAPES = {
     "llama3-8b": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
@@ -51,7 +69,7 @@ SHAPES = {
     "tiny": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                  num_key_value_heads=2, vocab_size=256),
 }
-MODES = ("stock", "prefix_reuse", "static", "relay", "relay_compiled")
+MODES = ("stock", "prefix_reuse", "static", "relay", "relay_eager", "relay_compiled")
 SAMPLING = dict(do_sample=True, top_p=0.9, temperature=0.7)
 
 
@@ -82,7 +100,7 @@ def _kwargs_for(model, mode: str, system: torch.Tensor):
 
     relay_hf.unpatch(model)  # also drops the static cache and captured step of an earlier point
     if mode.startswith("relay"):
-        relay_hf.patch(model)
+        relay_hf.patch(model, decode="eager" if mode == "relay_eager" else "auto")
     if mode in ("static", "relay_compiled"):
         return lambda B: dict(cache_implementation="static")
     if mode == "prefix_reuse":
@@ -177,7 +195,23 @@ def generate_point(model, mode: str, S: int, B: int, U: int, N: int, M: int, rep
         if new_batch:
             other = _inputs(system, new_batch, U, vocab, seed * 7 + new_batch)
             add("new_batch_first_call", "s", dict(median=call(N, other), n=1), decision(), note=f"B={new_batch}")
+        longer = _inputs(system, B, 2 * U, vocab, seed * 7 + B + 1)
+        add("longer_prompt_call", "s", dict(median=call(N, longer), n=1), decision(), note=f"U={2 * U}")
+        if cuda and mode.startswith("relay"):
+            add("host", "us", summary(host_us(_attention_call(model, S, B, U + N), device)), greedy)
     return rows
+
+
+def _attention_call(model, S: int, B: int, L_s: int):
+    """One eager ``relay_attention`` call at the model's decode shape: ``[B, H_q, 1, D]`` queries over an S-token
+    prefix and ``L_s`` suffix positions per row."""
+    c = model.config
+    D = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+    make = lambda *shape: torch.randn(*shape, device=model.device, dtype=model.dtype)  # noqa: E731
+    q, pk, pv = make(B, c.num_attention_heads, 1, D), make(1, c.num_key_value_heads, S, D), \
+        make(1, c.num_key_value_heads, S, D)
+    sk, sv = make(B, c.num_key_value_heads, L_s, D), make(B, c.num_key_value_heads, L_s, D)
+    return lambda: relay_hf.relay_attention(q, pk, pv, sk, sv)
 
 
 def _line(rows: list[dict]) -> dict:
@@ -188,12 +222,15 @@ def _line(rows: list[dict]) -> dict:
     line = dict(mode=r0["mode"], S=r0["S"], B=r0["B"], step_ms=get["step"], tok_per_s=get["tok_per_s"],
                 GBps=get["bandwidth"], sample_step_ms=get.get("sample_step", float("nan")), ttft_s=get["ttft"],
                 peak_GiB=get.get("peak_memory", float("nan")), first_call_s=get["cold_first_call"],
-                new_batch_s=get.get("new_batch_first_call", float("nan")), relay=step["relay_used"],
+                new_batch_s=get.get("new_batch_first_call", float("nan")),
+                longer_prompt_s=get.get("longer_prompt_call", float("nan")), host_us=get.get("host", float("nan")),
+                relay=step["relay_used"],
                 loop=step["relay_loop"])
     say(f"{line['mode']} S={line['S']} B={line['B']}: step {line['step_ms']:.2f} ms ({line['tok_per_s']:,.0f} tok/s, "
         f"{line['GBps']:,.0f} GB/s), sampling step {line['sample_step_ms']:.2f} ms, first token "
         f"{line['ttft_s']:.3f} s, peak {line['peak_GiB']:.2f} GiB; first call {line['first_call_s']:.2f} s, at a "
-        f"new batch size {line['new_batch_s']:.2f} s; relay used: {line['relay']}, relay_hf loop: {line['loop']}")
+        f"new batch size {line['new_batch_s']:.2f} s, with longer prompts {line['longer_prompt_s']:.2f} s; eager "
+        f"attention host {line['host_us']:.1f} us; relay used: {line['relay']}, relay_hf loop: {line['loop']}")
     return line
 
 
@@ -211,7 +248,7 @@ def main(argv=None) -> list[dict]:
     parser.add_argument("--prefix-len", type=int, nargs="+", default=[1024, 4096, 8192], help="S")
     parser.add_argument("--batch", type=int, nargs="+", default=[1, 8, 32, 64], help="B")
     parser.add_argument("--user-len", type=int, default=64, help="U: tokens of each row's own prompt")
-    parser.add_argument("--modes", nargs="+", default=["prefix_reuse", "relay_compiled"], choices=MODES)
+    parser.add_argument("--modes", nargs="+", default=["prefix_reuse", "relay"], choices=MODES)
     parser.add_argument("--new-tokens", type=int, default=128, help="N: tokens of the long timed call")
     parser.add_argument("--short-tokens", type=int, default=None, help="M: tokens of the short call (N/4, >= 2)")
     parser.add_argument("--reps", type=int, default=3, help="timed call pairs per point")

@@ -76,6 +76,22 @@ def resolve_generation_config(model, generation_config, kwargs: dict):
     return model._prepare_generation_config(generation_config, **kwargs)
 
 
+def logits_processors(model, generation_config, input_ids, attention_mask):
+    """The ``LogitsProcessorList`` stock ``generate`` builds for this call (``input_ids`` / ``attention_mask``
+    ``[B, T]`` in stock layout): its special-token tensors prepared on a copy of the config, then its processor
+    list, through two private methods of ``GenerationMixin``."""
+    import copy
+
+    from transformers import LogitsProcessorList
+
+    gen = copy.deepcopy(generation_config)
+    model._prepare_special_tokens(gen, True, device=input_ids.device)
+    return model._get_logits_processor(generation_config=gen, input_ids_seq_length=input_ids.shape[1],
+                                       encoder_input_ids=input_ids, prefix_allowed_tokens_fn=None,
+                                       logits_processor=LogitsProcessorList(), device=input_ids.device,
+                                       model_kwargs={"attention_mask": attention_mask})
+
+
 def compile_all_devices(compile_config) -> bool:
     """Whether a ``CompileConfig`` asks transformers to compile on every device, not only CUDA."""
     return bool(getattr(compile_config, "_compile_all_devices", False))

@@ -264,7 +264,8 @@ class StaticRelayLayer(RelayLayer):
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         n = key_states.shape[-2]
-        pos = torch.arange(n, device=key_states.device) + self._end
+        # a decode step writes at ``end`` itself (no index kernels: two fewer launches per layer and step)
+        pos = self._end.view(1) if n == 1 else torch.arange(n, device=key_states.device) + self._end
         self._kbuf.index_copy_(2, pos, key_states)
         self._vbuf.index_copy_(2, pos, value_states)
         self._end.add_(n)
@@ -389,11 +390,14 @@ class RelayCache(Cache):
                                             suffix_padding) for lay in self.layers]
         return fork
 
-    def can_refill(self, base: RelayCache, rows: int, max_suffix_length: int) -> bool:
-        """Whether this static cache can serve ``base``'s prefix for ``rows`` rows without new buffers."""
+    def can_refill(self, base: RelayCache, rows: int, max_suffix_length: int, max_rows: int | None = None) -> bool:
+        """Whether this static cache can serve ``base``'s prefix for ``rows`` rows (up to ``max_rows`` rows of buffers:
+        relay_hf's loop runs extra rows; ``None``: exactly ``rows``) and ``max_suffix_length`` suffix positions (or
+        more, up to twice that) without new buffers."""
         mine, theirs = self.layers[0], base.layers[0]
-        return (self.is_static and mine.is_initialized and mine._kbuf.shape[0] == rows
-                and mine.max_suffix_length == max_suffix_length
+        held = mine._kbuf.shape[0] if mine.is_initialized else -1
+        return (self.is_static and mine.is_initialized and rows <= held <= (max_rows or rows)
+                and max_suffix_length <= mine.max_suffix_length <= 2 * max_suffix_length
                 and mine.prefix_keys.shape == theirs.prefix_keys.shape
                 and mine.prefix_keys.dtype == theirs.prefix_keys.dtype
                 and mine.prefix_keys.device == theirs.prefix_keys.device)

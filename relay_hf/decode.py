@@ -1,27 +1,38 @@
-"""relay_hf's own greedy decode loop over a static ``RelayCache``: one decode step (forward, argmax, EOS bookkeeping)
-is compiled and captured as ONE CUDA graph, and the steps are replayed back to back with no host sync.
+"""relay_hf's own decode loop over a static ``RelayCache``: greedy search or sampling, each step replayed as CUDA
+graphs on CUDA, the host looking only every ``DecodeConfig.chunk`` steps.
 
 Why: transformers' ``generate`` loop synchronises with the GPU after every token (``this_peer_finished``, the
-streamer) and its compiled call re-checks every cache tensor before each CUDA-graph replay, so on an H200 the GPU
-idles ~3 ms of a ~9 ms Llama-3-8B step (docs/performance.md). Here the host only looks every
-``DecodeConfig.chunk`` steps.
+streamer), so on an H200 the GPU idles ~3 ms of a ~9 ms Llama-3-8B step (docs/performance.md). Here a step is two
+graph replays and nothing else:
 
-The loop serves exactly what it can reproduce token for token: greedy search with no logits processors and no
-stopping criteria besides ``max_new_tokens`` / ``max_length`` and EOS, output as a plain ``LongTensor``
-(``policy.loop_reason`` says why anything else goes to transformers' own loop, which then runs on the same static
-cache).
+* the forward (``_forward``): the model on the last tokens of ``rows`` rows, where ``rows`` is the batch rounded up to
+  a capture size (``DecodeConfig.row_buckets``), so a new batch size reuses the graph of its bucket; the extra rows are
+  copies of row 0 whose tokens are dropped. Eager ops captured as they are (the default), or compiled by inductor
+  first (``decode="compile"``, or a call that asks for a compiled decode the transformers way);
+* the choice (``_choose``): stock's own logits processors and draw for the real rows, as eager ops (so every score is
+  what stock computes, bit for bit), captured too. The draw is ``torch.multinomial``'s own one-sample algorithm
+  (``argmax(probs / Exp(1) noise)``) without its host-side value check, on the device generator, so a seeded call
+  draws what stock draws.
+
+The host keeps what a per-step loop would: EOS and stop strings per row (finished rows get ``pad``), the streamer
+(tokens arrive one step at a time, a chunk at a time), and the generator's offset, rewound to where stock's would be
+when the last chunk ran past the stop. ``loop_sampler`` says what the loop cannot reproduce; ``policy`` then sends
+the call to transformers' loop.
 """
 
 from __future__ import annotations
 
 import contextlib
+import logging
 import warnings
 from dataclasses import dataclass
 
 import torch
 from transformers import GenerationConfig
 
-from ._compat import cache_kwarg_name
+from ._compat import cache_kwarg_name, logits_processors
+
+logger = logging.getLogger("relay_hf")
 
 
 @dataclass(frozen=True)
@@ -29,104 +40,247 @@ class DecodeConfig:
     """How relay_hf's loop runs (defaults in ``DEFAULT_DECODE``; pass another to ``fast_generate``).
 
     Attributes:
-        chunk: decode steps between host looks (EOS: all rows done?; streamer puts).
+        chunk: decode steps between host looks on CUDA (all rows done?, stop strings, streamer puts). Off CUDA the
+            host looks every step: it waits for each step there anyway.
+        row_buckets: batch sizes the forward is captured for; a batch runs at the smallest bucket that holds it
+            (beyond the last, a multiple of ``row_step``), so a new batch size costs no new capture or compile. Powers
+            of two: a decode step reads the weights whatever the rows, so padded rows cost little (48 rows run as 64:
+            docs/performance.md), and fewer buckets mean fewer kernel variants to build.
+        row_step: rounding of batches beyond the last bucket.
         capture_blas: BLAS library preferred while the step warms up and is captured, for 16-bit models on CUDA
             (``None``: leave torch's choice). The step's GEMMs are skinny (a row per sequence); on an H200 (bf16,
             Llama-3-8B, 64 rows, S = 4096) cuBLASLt's kernels made the captured step 6.17 vs 6.34 ms
             (docs/performance.md). The process-wide preference is restored right after.
-        step_inductor_options: inductor options for the compiled step on CUDA, under the user's
+        step_inductor_options: inductor options for a compiled forward on CUDA, under the user's
             ``CompileConfig.options``. Combo kernels launch a layer's ~9 small independent kernels together:
-            6.14 -> 5.92-5.98 ms a step at S = 4096, B = 64 (docs/performance.md). They move a few roundings (bf16
-            greedy tokens differ at near ties; fp32 token identity holds: tests/test_smollm2.py). ``()``: inductor's
-            defaults.
+            6.14 -> 5.92-5.98 ms a step at S = 4096, B = 64 (docs/performance.md). ``()``: inductor's defaults.
     """
 
     chunk: int = 16
+    row_buckets: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64, 128)
+    row_step: int = 64
     capture_blas: str | None = "cublaslt"
     step_inductor_options: tuple[tuple[str, object], ...] = (("combo_kernels", True),)
+
+    def bucket(self, rows: int) -> int:
+        """The capture size that serves ``rows`` rows."""
+        for size in self.row_buckets:
+            if rows <= size:
+                return size
+        return -(-rows // self.row_step) * self.row_step
 
 
 DEFAULT_DECODE = DecodeConfig()
 
+# stock's processors that read nothing but the scores and never wait for the device: the loop calls them as they are
+_SCORE_ONLY = {"TemperatureLogitsWarper", "TopKLogitsWarper", "TopPLogitsWarper", "MinPLogitsWarper",
+               "TypicalLogitsWarper", "EpsilonLogitsWarper", "LogitNormalization"}
+# stock's processors the loop reproduces from its own device state (EOS ban while too short; repetition penalty)
+_EOS_BAN = {"MinLengthLogitsProcessor", "MinNewTokensLengthLogitsProcessor"}
+_PENALTY = "RepetitionPenaltyLogitsProcessor"
 
-def _greedy(logits: torch.Tensor, k: torch.Tensor, eos) -> torch.Tensor:
-    """Stock's greedy choice from ``logits [R, V]``: fp32 argmax, EOS banned while ``k`` (0-d int64, tokens made so
-    far) is below ``min_k`` (``min_new_tokens`` / ``min_length``, as stock's processors do). ``eos``: ``None`` or
-    ``(ids [E] int64, min_k 0-d int64, columns [V] bool)``."""
+
+@dataclass(frozen=True, eq=False)
+class Sampler:
+    """How the loop turns a step's logits into tokens, as stock's processors and token selection do.
+
+    Attributes:
+        sample: draw from the processed distribution (``do_sample``), else argmax.
+        warpers: stock's own score-only processors for this call, in stock's order (they follow the penalty and the
+            EOS ban in stock's list too).
+        penalty: the repetition penalty, or ``None``. ``seen``: ``[B, V]`` bool, the prompt tokens stock's
+            processor penalises (read off that processor itself, so its padding rule is stock's); generated tokens
+            join per step.
+        eos: ``None`` without EOS, else ``(ids [E] int64, columns [V] bool)`` on the model's device; ``min_k``:
+            tokens before which EOS is banned (``min_new_tokens`` / ``min_length``); ``pad``: the finished rows'
+            token.
+        key: what a captured choice bakes in (the warpers' settings, the penalty, EOS ids, pad).
+    """
+
+    sample: bool
+    warpers: tuple
+    penalty: float | None
+    seen: torch.Tensor | None
+    eos: tuple | None
+    min_k: int
+    pad: int
+    key: tuple
+
+
+def _settings(processor) -> tuple:
+    return type(processor).__name__, tuple(sorted((k, repr(v)) for k, v in vars(processor).items()))
+
+
+def loop_sampler(model, gen: GenerationConfig, ids: torch.Tensor, mask: torch.Tensor) -> Sampler | str:
+    """The ``Sampler`` for this call (``ids`` / ``mask`` ``[B, T]`` in stock layout), or why the loop cannot
+    reproduce stock's processing: stock's own processor list is built and each entry must be one the loop runs."""
+    warpers, penalty, seen = [], None, None
+    for proc in logits_processors(model, gen, ids, mask):
+        name = type(proc).__name__
+        if not type(proc).__module__.startswith("transformers.") or name not in _SCORE_ONLY | _EOS_BAN | {_PENALTY}:
+            return f"logits processor {name} (from `{_field_of(name)}`)"
+        if name in _SCORE_ONLY:
+            warpers.append(proc)
+        elif warpers:  # the loop applies penalty and EOS ban before the warpers, as stock's list orders them
+            return f"logits processor {name} after {type(warpers[-1]).__name__}"
+        elif name == _PENALTY:
+            if (gen.num_return_sequences or 1) > 1:
+                return "repetition_penalty with num_return_sequences > 1"
+            penalty = proc.penalty
+            vocab = model.get_output_embeddings().weight.shape[0]
+            seen = proc(ids, torch.ones(ids.shape[0], vocab, device=ids.device)) != 1  # [B, V] what stock penalises
+    eos = None
+    if gen.eos_token_id is not None:
+        eos_ids = torch.tensor(gen.eos_token_id, device=model.device).reshape(-1)
+        columns = torch.zeros(model.get_output_embeddings().weight.shape[0], dtype=torch.bool, device=model.device)
+        eos = eos_ids, columns.index_fill_(0, eos_ids, True)
+    min_k = max(gen.min_new_tokens or 0, (gen.min_length or 0) - ids.shape[1])
+    pad = gen.pad_token_id if gen.pad_token_id is not None else int(eos[0][0]) if eos is not None else 0
+    sample = bool(gen.do_sample)
+    key = (sample, tuple(_settings(w) for w in warpers), penalty,
+           None if eos is None else tuple(eos[0].tolist()), int(pad))
+    return Sampler(sample, tuple(warpers), penalty, seen, eos, min_k, int(pad), key)
+
+
+def _field_of(processor_name: str) -> str:
+    """The generation-config field a processor comes from, for a message (best effort)."""
+    known = {"SuppressTokensLogitsProcessor": "suppress_tokens", "SuppressTokensAtBeginLogitsProcessor":
+             "begin_suppress_tokens", "ForcedBOSTokenLogitsProcessor": "forced_bos_token_id",
+             "ForcedEOSTokenLogitsProcessor": "forced_eos_token_id", "InfNanRemoveLogitsProcessor":
+             "remove_invalid_values", "ExponentialDecayLengthPenalty": "exponential_decay_length_penalty",
+             "EtaLogitsWarper": "eta_cutoff", "TopHLogitsWarper": "top_h"}
+    return known.get(processor_name, "generation config")
+
+
+class _Rows:
+    """The per-row device state of the choice for ``R`` real rows (kept with its step, refilled per call)."""
+
+    def __init__(self, R: int, capacity: int, vocab: int, sampler: Sampler, device):
+        self.R, self.sampler, self.key = R, sampler, (R, capacity, sampler.key)
+        self.k = torch.zeros((), dtype=torch.long, device=device)  # tokens made so far
+        self.min_k = torch.zeros((), dtype=torch.long, device=device)
+        self.pad = torch.tensor(sampler.pad, device=device)
+        self.unfinished = torch.ones(R, dtype=torch.bool, device=device)  # [R]
+        self.tokens = torch.zeros(R, capacity, dtype=torch.long, device=device)  # [R, capacity] made tokens
+        self.seen = None if sampler.penalty is None else torch.zeros(R, vocab, dtype=torch.bool, device=device)
+        self.graph = None
+
+    def start(self, sampler: Sampler, rows_per_input: int) -> None:
+        self.sampler = sampler  # same key: same baked settings; its per-call tensors are copied in
+        self.k.zero_()
+        self.min_k.fill_(sampler.min_k)
+        self.unfinished.fill_(True)
+        if self.seen is not None:
+            self.seen.copy_(sampler.seen.repeat_interleave(rows_per_input, 0))
+
+
+def _choose(logits: torch.Tensor, rows: _Rows, tok: torch.Tensor) -> None:
+    """One token per real row from ``logits [R, V]``, exactly as stock's ``_sample`` step: fp32 scores, repetition
+    penalty, EOS ban while too short, stock's warpers, then argmax or the draw; ``pad`` for finished rows. Writes
+    ``rows.tokens[:, k]`` and ``tok [R, 1]``, updates ``unfinished`` / ``seen`` / ``k`` in place."""
+    s = rows.sampler
     scores = logits.float()
-    if eos is not None:
-        scores = scores.masked_fill(eos[2] & (k < eos[1]), float("-inf"))
-    return scores.argmax(-1)
+    if s.penalty is not None:  # RepetitionPenaltyLogitsProcessor's arithmetic on the tokens it would gather
+        scores = torch.where(rows.seen, torch.where(scores < 0, scores * s.penalty, scores / s.penalty), scores)
+    if s.eos is not None:  # Min(New)LengthLogitsProcessor: -inf on EOS while fewer than min_k tokens are made
+        scores = torch.where(s.eos[1] & (rows.k < rows.min_k), -float("inf"), scores)
+    for warper in s.warpers:
+        scores = warper(None, scores)
+    if s.sample:
+        probs = torch.nn.functional.softmax(scores, dim=-1)
+        nxt = torch.argmax(probs / torch.empty_like(probs).exponential_(1), dim=-1)  # torch.multinomial(probs, 1)
+    else:
+        nxt = torch.argmax(scores, dim=-1)
+    if s.eos is not None:
+        nxt = torch.where(rows.unfinished, nxt, rows.pad)
+        rows.unfinished.logical_and_(~torch.isin(nxt, s.eos[0]))
+    rows.tokens.index_copy_(1, rows.k.view(1), nxt[:, None])
+    tok[:rows.R].copy_(nxt[:, None])
+    if rows.seen is not None:
+        rows.seen.scatter_(1, nxt[:, None], True)
+    rows.k.add_(1)
 
 
-def _choose(logits: torch.Tensor, k: torch.Tensor, unfinished: torch.Tensor, eos, pad) -> torch.Tensor:
-    """Stock's next tokens ``[R]`` from ``logits [R, V]``: ``_greedy``, then ``pad`` for rows already finished, and
-    ``unfinished [R]`` bool updated in place for rows that just made EOS."""
-    nxt = _greedy(logits, k, eos)
-    if eos is not None:
-        nxt = torch.where(unfinished, nxt, pad)
-        unfinished.logical_and_(~torch.isin(nxt, eos[0]))
-    return nxt
-
-
-def _decode_step(model, name: str, cache, tok, pos, k, unfinished, eos, pad) -> None:
-    """One greedy step in place: ``tok [R, 1]`` int64 (in: last token, out: next), ``pos [R, 1]`` int64 its
-    position, ``k`` 0-d int64 tokens made so far, ``unfinished [R]`` bool, ``eos`` as in ``_greedy``, ``pad`` 0-d
-    int64; exactly stock's bookkeeping."""
+def _forward(model, name: str, cache, tok: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+    """The model on ``tok [Rb, 1]`` at ``pos [Rb, 1]`` (then advanced); returns the last logits ``[Rb, V]``."""
     logits = model(input_ids=tok, position_ids=pos, use_cache=True, logits_to_keep=1, **{name: cache}).logits
-    tok.copy_(_choose(logits[:, -1, :], k, unfinished, eos, pad)[:, None])
     pos.add_(1)
-    k.add_(1)
+    return logits[:, -1, :]
 
 
 class _Stepper:
-    """Runs ``_decode_step`` for one static cache and batch: compiled (``compile_config``), and on CUDA captured as
-    a CUDA graph after two warm-up steps. Kept with its cache (``state.StaticSlot``), so the next call that refills
-    that cache replays the same graph."""
+    """The decode step on one static cache (a bucket of ``Rb`` rows): the forward, compiled where
+    ``compile_config`` says, and on CUDA captured as a graph after two warm-up steps; the choice of the current
+    ``_Rows``, captured as its own graph. Kept with its cache (``state.StaticSlot``), so the next call that refills
+    that cache replays the same graphs."""
 
-    def __init__(self, model, cache, rows: int, eos, pad, compile_config, key: tuple, decode: DecodeConfig):
+    def __init__(self, model, cache, rows: int, compile_config, key: tuple, decode: DecodeConfig):
         device = model.device
-        self.key, self.decode = key, decode
-        self.model, self.cache, self.name, self.eos, self.pad = model, cache, cache_kwarg_name(model), eos, pad
-        self.tok = torch.zeros(rows, 1, dtype=torch.long, device=device)  # [R, 1] graph inputs and outputs
+        self.key, self.decode, self.rows = key, decode, rows
+        self.model, self.cache, self.name = model, cache, cache_kwarg_name(model)
+        self.tok = torch.zeros(rows, 1, dtype=torch.long, device=device)  # [Rb, 1] graph inputs
         self.pos = torch.zeros_like(self.tok)
-        self.k = torch.zeros((), dtype=torch.long, device=device)
-        self.unfinished = torch.ones(rows, dtype=torch.bool, device=device)
-        self.fn, self.graph, self.warm = _decode_step, None, 0
-        self.capture = device.type == "cuda" and compile_config is not None
+        self.fn, self.graph, self.logits, self.warm = _forward, None, None, 0
+        self.capture = device.type == "cuda"
+        self.real: _Rows | None = None
         if compile_config is not None:
-            self.fn = torch.compile(_decode_step, dynamic=False,
+            self.fn = torch.compile(_forward, dynamic=False,
                                     **_compile_kwargs(compile_config, device.type, decode.step_inductor_options))
 
     def __deepcopy__(self, memo):  # a CUDA graph cannot be copied; a copied model captures its own step
         return None
 
-    def _run(self) -> None:
-        self.fn(self.model, self.name, self.cache, self.tok, self.pos, self.k, self.unfinished, self.eos, self.pad)
+    def rows_for(self, R: int, capacity: int, vocab: int, sampler: Sampler) -> _Rows:
+        """The ``_Rows`` for this call's real rows: the last one (and its captured choice) when its settings match."""
+        if self.real is None or self.real.key != (R, capacity, sampler.key):
+            self.real = _Rows(R, capacity, vocab, sampler, self.tok.device)
+        return self.real
+
+    def _run(self) -> torch.Tensor:
+        return self.fn(self.model, self.name, self.cache, self.tok, self.pos)
 
     def __call__(self) -> None:
+        """One decode step: forward, then the choice for ``self.real``."""
         if self.graph is not None:
             self.graph.replay()
-            return
-        with _capture_blas(self.decode.capture_blas, self.model.dtype if self.capture else None):
-            self._warm_or_capture()
+        else:
+            with _capture_blas(self.decode.capture_blas, self.model.dtype if self.capture else None):
+                self._warm_or_capture()
+        rows = self.real
+        if rows.graph is not None:
+            rows.graph.replay()
+        elif self.graph is not None and self.capture:
+            rows.graph = self._record(lambda: _choose(self.logits[:rows.R], rows, self.tok), "choice")
+            if rows.graph is None:
+                _choose(self.logits[:rows.R], rows, self.tok)
+        else:
+            _choose(self.logits[:rows.R], rows, self.tok)
+
+    def _record(self, fn, what: str):
+        """``fn`` captured as a graph and replayed once (nothing runs while recording, so a failure leaves the state
+        intact), or ``None`` after a warning when it cannot be captured."""
+        try:
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                fn()
+        except Exception as err:  # noqa: BLE001 - decode on without the graph rather than lose the call
+            warnings.warn(f"relay_hf: capturing the decode {what} failed ({type(err).__name__}: {err}); running it "
+                          "without a CUDA graph", RuntimeWarning, stacklevel=5)
+            return None
+        graph.replay()
+        return graph
 
     def _warm_or_capture(self) -> None:
         if not self.capture or self.warm < 2:  # warm-up steps are real steps (compile, autotune, allocator)
             self._eager_step()
-        else:
-            try:
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph):  # records only: nothing runs, so a failure leaves the state intact
-                    self._run()
-            except Exception as err:  # noqa: BLE001 - decode on without the graph rather than lose the call
-                warnings.warn(f"relay_hf: capturing the decode step failed ({type(err).__name__}: {err}); "
-                              "decoding without a CUDA graph", RuntimeWarning, stacklevel=4)
-                self.capture = False
-                self._run()
-                return
-            self.graph = graph
-            graph.replay()
+            return
+        def record():
+            self.logits = self._run()
+        graph = self._record(record, "step")
+        if graph is None:
+            self.capture = False
+            self.logits = self._run()
+        self.graph = graph
 
     def _eager_step(self) -> None:
         try:
@@ -134,19 +288,19 @@ class _Stepper:
                 side = torch.cuda.Stream()
                 side.wait_stream(torch.cuda.current_stream())
                 with torch.cuda.stream(side):
-                    self._run()
+                    self.logits = self._run()
                 torch.cuda.current_stream().wait_stream(side)
             else:
-                self._run()
+                self.logits = self._run()
             self.warm += 1
         except Exception as err:  # noqa: BLE001 - a compile failure must not lose the user's call
             # dynamo / inductor fail while compiling, before the step runs, so running it eagerly now is one step
-            if self.fn is _decode_step:
+            if self.fn is _forward:
                 raise
             warnings.warn(f"relay_hf: compiling the decode step failed ({type(err).__name__}: {err}); decoding "
                           "eagerly", RuntimeWarning, stacklevel=5)
-            self.fn, self.capture = _decode_step, False
-            self._run()
+            self.fn = _forward
+            self.logits = self._run()
 
 
 @contextlib.contextmanager
@@ -170,7 +324,7 @@ def _capture_blas(library: str | None, dtype: torch.dtype | None):
 
 def _compile_kwargs(compile_config, device_type: str, step_options: tuple = DEFAULT_DECODE.step_inductor_options
                     ) -> dict:
-    """``torch.compile`` arguments for the step from the user's ``CompileConfig``. The loop captures its own CUDA
+    """``torch.compile`` arguments for the forward from the user's ``CompileConfig``. The loop captures its own CUDA
     graph, so inductor's graph modes become their no-graph forms; on CUDA, inductor also gets ``step_options``
     under the user's own options (``torch.compile`` takes a mode or options, so the mode's options are spelled out)."""
     mode = {"reduce-overhead": None, "max-autotune": "max-autotune-no-cudagraphs"}.get(compile_config.mode,
@@ -186,75 +340,133 @@ def _compile_kwargs(compile_config, device_type: str, step_options: tuple = DEFA
     return dict(fullgraph=compile_config.fullgraph, backend=compile_config.backend, mode=mode, options=options)
 
 
-def _stepper(model, slot, rows: int, eos, pad, compile_config, decode: DecodeConfig) -> _Stepper:
-    """The slot's step if its graph was captured for these values (they are baked into it), else a new one."""
+def _stepper(model, slot, rows: int, compile_config, decode: DecodeConfig) -> _Stepper:
+    """The slot's step if it was made for these settings, else a new one (announced: it captures or compiles)."""
     compiled = None if compile_config is None else repr(compile_config.to_dict())
-    key = rows, None if eos is None else (tuple(eos[0].tolist()), int(eos[1])), int(pad), compiled, decode
+    key = rows, compiled, decode
     if slot.stepper is not None and slot.stepper.key == key:
         return slot.stepper
-    slot.stepper = None  # free the old graph's pool first
-    slot.stepper = _Stepper(model, slot.cache, rows, eos, pad, compile_config, key, decode)
+    slot.stepper = None  # free the old graphs' pool first
+    if model.device.type == "cuda":
+        how = "compiling it with inductor and capturing" if compile_config is not None else "capturing"
+        logger.warning("relay_hf: one-time setup for %d rows x %d suffix positions: %s the decode step as CUDA graphs",
+                       rows, slot.cache.layers[0].max_suffix_length, how)
+    slot.stepper = _Stepper(model, slot.cache, rows, compile_config, key, decode)
     return slot.stepper
 
 
-def _stop_length(tokens: torch.Tensor, eos: torch.Tensor) -> int:
-    """How many of ``tokens [R, n]`` stock generate keeps: it stops after the step at which every row has had EOS."""
-    hit = torch.isin(tokens, eos)
-    if not bool(hit.any(1).all()):
-        return tokens.shape[1]
-    return int(hit.int().argmax(1).max()) + 1
+class _Generator:
+    """The device generator's offset before each draw, so the loop can leave it where stock's loop would (CUDA:
+    the philox offset is host-side state, read and set without a sync)."""
+
+    def __init__(self, device: torch.device, sample: bool):
+        self.gen = None
+        if sample and device.type == "cuda":
+            self.gen = torch.cuda.default_generators[device.index if device.index is not None else
+                                                     torch.cuda.current_device()]
+        self.offsets: list[int] = []
+
+    def mark(self) -> None:
+        if self.gen is not None:
+            self.offsets.append(self.gen.get_offset())
+
+    def rewind(self, draws: int) -> None:
+        """Undo the draws after the first ``draws``."""
+        if self.gen is not None and draws < len(self.offsets):
+            self.gen.set_offset(self.offsets[draws])
 
 
-def _eos(model, gen: GenerationConfig, T: int):
-    """``(ids [E] int64, min_k 0-d int64, columns [V] bool)`` on the model's device, or ``None`` without EOS."""
-    if gen.eos_token_id is None:
-        return None
-    ids = torch.tensor(gen.eos_token_id, device=model.device).reshape(-1)
-    min_k = torch.tensor(max(gen.min_new_tokens or 0, (gen.min_length or 0) - T), device=model.device)
-    columns = torch.zeros(model.get_output_embeddings().weight.shape[0], dtype=torch.bool, device=model.device)
-    return ids, min_k, columns.index_fill_(0, ids, True)
+class _Finish:
+    """Per-row stopping on the host, as stock's criteria decide it after each step: EOS, stop strings; a finished
+    row's later tokens are ``pad``."""
+
+    def __init__(self, prompt: torch.Tensor, sampler: Sampler, stop):
+        self.prompt, self.sampler, self.stop = prompt, sampler, stop  # prompt [R, T] stock layout, on the CPU
+        self.at = torch.full((prompt.shape[0],), -1, dtype=torch.long)  # step at which each row finished
+        self.tokens = torch.empty(prompt.shape[0], 0, dtype=torch.long)  # [R, checked] after fixes
+
+    def add(self, new: torch.Tensor) -> torch.Tensor:
+        """Check the steps ``new [R, n]`` (on the CPU); returns the rows newly finished by a stop string."""
+        by_stop = torch.zeros(new.shape[0], dtype=torch.bool)
+        eos = None if self.sampler.eos is None else self.sampler.eos[0].cpu()
+        for j in range(new.shape[1]):
+            step = self.tokens.shape[1]
+            done = self.at >= 0
+            # stock pads a finished row only when EOS is one of its criteria; else stopped rows go on
+            tok = new[:, j] if eos is None else torch.where(done, self.sampler.pad, new[:, j])
+            self.tokens = torch.cat([self.tokens, tok[:, None]], 1)
+            hit = torch.zeros_like(done)
+            if eos is not None:
+                hit |= torch.isin(tok, eos)
+            if self.stop is not None:
+                stopped = self.stop(torch.cat([self.prompt, self.tokens], 1), None).cpu()
+                by_stop |= stopped & ~done & ~hit
+                hit |= stopped
+            self.at = torch.where(~done & hit, step, self.at)
+        return by_stop
+
+    def length(self) -> int:
+        """Tokens stock keeps: through the step at which the last row finished, or all made so far."""
+        return int(self.at.max()) + 1 if bool((self.at >= 0).all()) else self.tokens.shape[1]
 
 
-def fast_generate(model, ids: torch.Tensor, mask: torch.Tensor, slot, gen: GenerationConfig, streamer, compile_config,
-                  n_new: int, decode: DecodeConfig = DEFAULT_DECODE) -> torch.Tensor:
-    """Greedy generation on relay_hf's loop. ``ids``/``mask`` ``[R, T]`` in relay layout (shared prefix first, then
-    each row's pads, then its own tokens); ``slot`` a ``state.StaticSlot`` whose static ``RelayCache`` holds the
-    prefix only. Prefills the rows' own tokens (the prefix is never recomputed), then decodes ``n_new`` tokens at
-    most with ``_Stepper``. Returns ``[R, T + n]`` int64 sequences, ``n`` as stock generate gives it (``n_new``, or
-    fewer when every row has hit EOS)."""
+def fast_generate(model, ids: torch.Tensor, mask: torch.Tensor, stock_ids: torch.Tensor, slot, sampler: Sampler,
+                  streamer, compile_config, n_new: int, rows_per_input: int = 1, stop=None,
+                  decode: DecodeConfig = DEFAULT_DECODE) -> torch.Tensor:
+    """Generation on relay_hf's loop.
+
+    Args:
+        ids, mask: ``[B, T]`` in relay layout (shared prefix first, then each row's pads, then its own tokens).
+        stock_ids: ``[B, T]`` the same rows in stock layout (what stop strings read).
+        slot: a ``state.StaticSlot`` whose static ``RelayCache`` holds the prefix and has ``decode.bucket(R)`` rows,
+            ``R = B * rows_per_input`` (``num_return_sequences``).
+        sampler: from ``loop_sampler``. ``stop``: a stop-string criterion (stock's, on stock-layout ids) or ``None``.
+        n_new: tokens to make at most.
+
+    Prefills the rows' own tokens (the prefix is never recomputed), then decodes. Returns ``[R, T + n]`` int64
+    sequences in relay layout, ``n`` as stock generate gives it (``n_new``, or fewer when every row has finished).
+    """
+    ids, mask = ids.repeat_interleave(rows_per_input, 0), mask.repeat_interleave(rows_per_input, 0)
+    if streamer is not None:  # stock streams the prompt expanded to its return sequences
+        streamer.put(ids.cpu())
     R, T = ids.shape
     cache = slot.cache
-    eos = _eos(model, gen, T)
-    pad = torch.tensor(gen.pad_token_id if gen.pad_token_id is not None else int(eos[0][0]) if eos else 0,
-                       device=ids.device)
-    if streamer is not None:
-        streamer.put(ids.cpu())
-    pos = (mask.long().cumsum(-1) - 1).masked_fill(mask == 0, 0)  # stock's positions: pads get 0
+    Rb = cache.layers[0].suffix_padding.shape[0]
+    fill = torch.zeros(Rb - R, dtype=torch.long, device=ids.device)  # extra rows: copies of row 0, dropped
+    ids_b, mask_b = torch.cat([ids, ids[fill]]), torch.cat([mask, mask[fill]])
+    pos = (mask_b.long().cumsum(-1) - 1).masked_fill(mask_b == 0, 0)  # stock's positions: pads get 0
     P = cache.prefix_length
-    logits = model(input_ids=ids[:, P:], position_ids=pos[:, P:], use_cache=True, logits_to_keep=1,
-                   **{cache_kwarg_name(model): cache}).logits
-    step = _stepper(model, slot, R, eos, pad, compile_config, decode)
-    step.k.zero_()
-    step.unfinished.fill_(True)
-    first = _choose(logits[:, -1, :], step.k, step.unfinished, eos, pad)
-    step.k.fill_(1)
-    step.tok.copy_(first[:, None])
+    logits = model(input_ids=ids_b[:, P:], position_ids=pos[:, P:], use_cache=True, logits_to_keep=1,
+                   **{cache_kwarg_name(model): cache}).logits[:, -1, :]
+    step = _stepper(model, slot, Rb, compile_config, decode)
+    vocab = logits.shape[-1]
+    rows = step.rows_for(R, cache.layers[0].max_suffix_length, vocab, sampler)
+    rows.start(sampler, rows_per_input)
+    step.tok.copy_(ids_b[:, -1:])
     step.pos.copy_(pos[:, -1:] + 1)
-    tokens, sent = [first], 0
+    rng = _Generator(ids.device, sampler.sample)
+    rng.mark()
+    _choose(logits[:R], rows, step.tok)
+    made, sent = 1, 0
+    chunk = decode.chunk if step.capture else 1
+    finish = _Finish(stock_ids.repeat_interleave(rows_per_input, 0).cpu(), sampler, stop)
     while True:
-        done = len(tokens) >= n_new or (eos is not None and not bool(step.unfinished.any()))  # the host's one look
-        keep = len(tokens)
-        if eos is not None and (done or streamer is not None):
-            keep = _stop_length(torch.stack(tokens, 1), eos[0])
+        by_stop = finish.add(rows.tokens[:, finish.tokens.shape[1]:made].cpu())  # the host's one look
+        if bool(by_stop.any()):
+            rows.unfinished.masked_fill_(by_stop.to(ids.device), False)
+        keep = finish.length()
+        done = made >= n_new or keep < made or bool((finish.at >= 0).all())
         if streamer is not None:
-            for t in tokens[sent:keep]:
-                streamer.put(t.cpu())
+            for j in range(sent, keep):
+                streamer.put(finish.tokens[:, j].clone())
             sent = keep
         if done:
             break
-        for _ in range(min(decode.chunk, n_new - len(tokens))):
+        for _ in range(min(chunk, n_new - made)):
+            rng.mark()
             step()
-            tokens.append(step.tok[:, 0].clone())
+            made += 1
+    rng.rewind(keep)
     if streamer is not None:
         streamer.end()
-    return torch.cat([ids, torch.stack(tokens[:keep], 1)], 1)
+    return torch.cat([ids, finish.tokens[:, :keep].to(ids.device)], 1)

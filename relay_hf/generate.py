@@ -7,7 +7,7 @@ Per call: ``policy.decide`` plans relay or stock. Stock runs the class's own ``g
 2. permutes each row to ``[prefix | pads | suffix]`` (``prefix.py``) and runs stock ``generate`` on that, so only the
    suffixes are prefilled and every decode step reads the prefix once per batch; user processors, criteria and
    streamers see the stock layout,
-3. or, on a static cache, relay_hf's own decode loop (``decode.py``),
+3. or runs relay_hf's own decode loop on a static cache (``decode.py``; the default on CUDA),
 4. hands back ``sequences`` in the stock layout, with the ``RelayCache`` as the returned cache.
 """
 
@@ -110,15 +110,24 @@ def _wrap_user_hooks(call: dict, inv: torch.Tensor, plan: Plan) -> None:
 
 
 def _static_slot(model, base: RelayCache, plan: Plan, pads: torch.Tensor) -> StaticSlot:
-    """A static fork of ``base`` for this call (``pads [R]``: each row's left padding): the model's idle one refilled
-    in place when its shapes fit (as transformers keeps its StaticCache, so compiled graphs are not re-recorded), else
-    a new one."""
-    cap = plan.static_capacity
-    slot = model._relay_state.take_static(lambda cache: cache.can_refill(base, plan.rows, cap))
+    """A static fork of ``base`` for this call (``pads [R]``: each row's left padding): an idle one of the model's
+    refilled in place when its shapes fit (as transformers keeps its StaticCache, so captured graphs are not
+    re-recorded), else a new one of ``plan.static_rows`` rows. relay_hf's loop takes a slot of up to twice its bucket's
+    rows and suffix capacity (the extra rows copy row 0); transformers' loop needs the exact shapes."""
+    cap, rows = plan.static_capacity, plan.static_rows
+    fits = ((lambda c: c.can_refill(base, rows, cap, max_rows=2 * rows)) if plan.fast_decode else
+            (lambda c: c.can_refill(base, rows, cap) and c.layers[0].max_suffix_length == cap))
+    slot = model._relay_state.take_static(fits)
     if slot is None:
-        return StaticSlot(base.fork(max_suffix_length=cap, suffix_padding=pads))
-    slot.cache.refill(base, pads.to(base.prefix_device))
+        slot = StaticSlot(base.fork(max_suffix_length=cap, suffix_padding=_extend(pads, rows)))
+    else:
+        slot.cache.refill(base, _extend(pads, slot.cache.layers[0].keys.shape[0]).to(base.prefix_device))
     return slot
+
+
+def _extend(pads: torch.Tensor, rows: int) -> torch.Tensor:
+    """``pads [R]`` for ``rows >= R`` rows: the extra rows copy row 0."""
+    return torch.cat([pads, pads[:1].expand(rows - pads.shape[0])])
 
 
 def _run_relay(model, stock, call: dict, plan: Plan):
@@ -128,25 +137,32 @@ def _run_relay(model, stock, call: dict, plan: Plan):
     base = plan.user_cache
     if base is None:
         base = RelayCache.from_prefix(model, ids[0, int(n_pad[0]):int(n_pad[0]) + P])
-    pads = n_pad.to(torch.int32).repeat_interleave(plan.rows // ids.shape[0])  # [R] rows with beams / returns
+    per_input = plan.rows // ids.shape[0]  # beams / return sequences
+    pads = n_pad.to(torch.int32).repeat_interleave(per_input)  # [R]
     slot = _static_slot(model, base, plan, pads) if plan.static else None
     if slot is None:
         cache = base.fork(suffix_padding=pads)
         cache.reserve(T + plan.new_tokens - P)  # suffix buffers sized once: prompt after the prefix + new tokens
     else:
         cache = slot.cache
-    call = {k: v for k, v in call.items() if k not in ("inputs", "input_ids", *CACHE_NAMES)}
-    if plan.gen.cache_implementation is not None:  # from the call, its config or the model's: our cache is the cache
-        call["cache_implementation"] = None
-    relay_ids, call["attention_mask"] = ids.gather(1, perm), mask.gather(1, perm)  # [B, T] in relay layout
-    call[cache_kwarg_name(model)] = cache
-    _wrap_user_hooks(call, inv, plan)
+    relay_ids, relay_mask = ids.gather(1, perm), mask.gather(1, perm)  # [B, T] in relay layout
     try:
         if plan.fast_decode:
+            streamer = call.get("streamer")
+            stop = None
+            if plan.gen.stop_strings is not None:  # stock's criterion; the loop shows it stock-layout ids
+                stop = StopStringCriteria(tokenizer=call["tokenizer"], stop_strings=plan.gen.stop_strings)
             with torch.no_grad():
-                out = fast_generate(model, relay_ids, call["attention_mask"], slot, plan.gen, call.get("streamer"),
-                                    plan.compile_config, plan.new_tokens)
+                out = fast_generate(model, relay_ids, relay_mask, ids, slot, plan.sampler,
+                                    None if streamer is None else _StreamerView(streamer, inv), plan.compile_config,
+                                    plan.new_tokens, rows_per_input=per_input, stop=stop)
             return to_stock_layout(out, inv)
+        call = {k: v for k, v in call.items() if k not in ("inputs", "input_ids", *CACHE_NAMES)}
+        if plan.gen.cache_implementation is not None:  # from the call, its config or the model's: ours is the cache
+            call["cache_implementation"] = None
+        call["attention_mask"] = relay_mask
+        call[cache_kwarg_name(model)] = cache
+        _wrap_user_hooks(call, inv, plan)
         out = stock(relay_ids, **call)
     finally:
         if slot is not None:

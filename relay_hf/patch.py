@@ -14,6 +14,7 @@ from . import attention
 from ._compat import attn_implementation, can_set_attn_implementation
 from .cache import is_relay_name
 from .generate import RelayFallbackWarning, RelayGenerate
+from .policy import DECODE_MODES
 from .probe import probe_reason
 from .state import RelayState
 
@@ -72,12 +73,18 @@ def _switch_back(model, original: str) -> None:
         attention.set_stock_implementation(config, None)
 
 
-def patch(model, *, min_prefix_length: int = DEFAULT_MIN_PREFIX_LENGTH):
+def patch(model, *, min_prefix_length: int = DEFAULT_MIN_PREFIX_LENGTH, decode: str = "auto"):
     """Make batched ``model.generate`` use relay attention whenever its rows share a token prefix.
 
     Args:
         model: a transformers causal LM. Patched in place (this instance only) and returned.
         min_prefix_length: shortest common prefix (tokens) worth a separate prefill; shorter runs stock.
+        decode: which loop decodes (``policy.loop_wanted``). ``"auto"``: relay_hf's loop on CUDA, each step
+            replayed as CUDA graphs of the eager step (no compile), transformers' loop elsewhere; ``"graph"``:
+            relay_hf's loop on any device; ``"compile"``: relay_hf's loop with the forward compiled by inductor
+            before capture (faster steps, a long first call per batch bucket); ``"eager"``: transformers' loop.
+            A call that asks for a compiled decode (``cache_implementation="static"``, ``compile_config``) gets the
+            compiled loop whatever the mode.
 
     A model relay cannot serve exactly (softcapping, sinks, ALiBi, chunked or linear attention, an attention module
     that does more than hand its KV to the attention function...) keeps its attention; a ``RelayFallbackWarning``
@@ -85,12 +92,15 @@ def patch(model, *, min_prefix_length: int = DEFAULT_MIN_PREFIX_LENGTH):
     """
     if not isinstance(min_prefix_length, int) or isinstance(min_prefix_length, bool) or min_prefix_length < 0:
         raise ValueError(f"min_prefix_length must be a non-negative int, got {min_prefix_length!r}")
+    if decode not in DECODE_MODES:
+        raise ValueError(f"decode must be one of {DECODE_MODES}, got {decode!r}")
     if hasattr(model, "_orig_mod"):  # torch.compile's wrapper: no generate of its own to patch
         raise ValueError("relay_hf.patch needs the model itself, not a torch.compile wrapper: patch the model, then "
                          "compile its forward if you like (or ask generate for a compiled decode with "
                          "cache_implementation='static')")
     if is_patched(model):
         model._relay_state.min_prefix_length = min_prefix_length
+        model._relay_state.decode = decode
         return model
     original = attn_implementation(model.config)
     reason = unsupported_reason(model)
@@ -106,7 +116,7 @@ def patch(model, *, min_prefix_length: int = DEFAULT_MIN_PREFIX_LENGTH):
     if reason is not None:
         warnings.warn(f"relay_hf: {reason}; {type(model).__name__} keeps stock attention", RelayFallbackWarning,
                       stacklevel=2)
-    model._relay_state = RelayState(original, min_prefix_length, reason)
+    model._relay_state = RelayState(original, min_prefix_length, reason, decode)
     model.relay_last_decision = None
     model.generate = RelayGenerate(model)
     return model

@@ -7,8 +7,9 @@ The rules, in the order they are checked:
    per-position outputs (those run stock: relay reorders each row's pads behind the shared prefix), left padding;
 3. the batch: a shared prefix long enough to pay (``relay_pays``; numbers in docs/performance.md), within the
    position range and any sliding window;
-4. the loop: on a static cache, relay_hf's captured decode loop where it reproduces stock token for token
-   (``loop_reason``), else transformers' loop.
+4. the loop: relay_hf's decode loop (captured as CUDA graphs on CUDA; the default there, ``patch(model, decode=...)``
+   chooses) where it reproduces stock token for token (``loop_reason``), else transformers' loop: on a static
+   ``RelayCache`` when the call asks for one (``cache_implementation="static"``), else on a dynamic one.
 
 Stock plans carry ``expected``: ``False`` where the user would have gained from relay (``generate`` then warns once
 per reason through the ``relay_hf`` logger); ``True`` for the ordinary cases (one row, a short prefix, not patched).
@@ -24,6 +25,7 @@ from transformers import CompileConfig, GenerationConfig
 
 from ._compat import attn_implementation, compile_all_devices, resolve_generation_config
 from .cache import RelayCache, is_relay_name
+from .decode import DEFAULT_DECODE, Sampler, loop_sampler
 from .prefix import common_prefix_length, first_mismatch, left_padding
 
 # rows * prefix tokens below which the CUDA relay kernel is not measured to beat SDPA over the expanded prefix
@@ -38,7 +40,7 @@ _STOCK_KWARGS = ("inputs_embeds", "position_ids", "assistant_model", "prefix_all
 # generation-config fields (with the values that switch them off) whose processors read the prompt's ids beyond its
 # length and last tokens, whose outputs have per-position shapes, or that run another decoding method
 _STOCK_FIELDS = {
-    "repetition_penalty": (None, 1.0), "encoder_repetition_penalty": (None, 1.0),
+    "encoder_repetition_penalty": (None, 1.0),
     "no_repeat_ngram_size": (None, 0), "encoder_no_repeat_ngram_size": (None, 0), "bad_words_ids": (None,),
     "sequence_bias": (None,), "watermarking_config": (None,), "guidance_scale": (None, 1.0),
     "output_attentions": (None, False), "output_hidden_states": (None, False), "token_healing": (None, False),
@@ -47,27 +49,25 @@ _STOCK_FIELDS = {
     "use_mtp": (None, False), "speculation_type": (None,),
     "diversity_penalty": (None, 0.0), "constraints": (None,), "force_words_ids": (None,),
 }
-# generation-config fields (with their neutral values) that add a processor or criterion relay_hf's loop does not
-# reproduce; those calls decode on transformers' loop
+# generation-config fields (with their neutral values) relay_hf's loop does not serve; logits processors are judged
+# one by one (``decode.loop_sampler``)
 _LOOP_NEUTRAL = {
-    "do_sample": (None, False), "num_beams": (None, 1), "num_return_sequences": (None, 1),
-    "exponential_decay_length_penalty": (None,), "suppress_tokens": (None,), "begin_suppress_tokens": (None,),
-    "forced_bos_token_id": (None,), "forced_eos_token_id": (None,), "renormalize_logits": (None, False),
-    "remove_invalid_values": (None, False), "max_time": (None,), "stop_strings": (None,),
-    "return_dict_in_generate": (None, False), "output_scores": (None, False), "output_logits": (None, False),
-    "synced_gpus": (None, False),
+    "num_beams": (None, 1), "max_time": (None,), "return_dict_in_generate": (None, False),
+    "output_scores": (None, False), "output_logits": (None, False), "synced_gpus": (None, False),
 }
 # generate() arguments that are not generation-config fields and that relay_hf's loop handles (or that must be empty)
 _LOOP_ARGS = {"inputs", "input_ids", "attention_mask", "generation_config", "streamer", "logits_processor",
               "stopping_criteria", "use_model_defaults", "tokenizer", "cache", "past_key_values", "synced_gpus",
               "compile_config"}
+DECODE_MODES = ("auto", "graph", "compile", "eager")
 
 
 @dataclass
 class RelayDecision:
     """What the last patched ``generate`` call did. ``used``: relay attention served it; ``reason``: why not;
-    ``static``: it ran on a static (compileable) ``RelayCache``; ``fast_decode``: relay_hf's own decode loop (one CUDA
-    graph per step, no host sync per token) ran it, else transformers' loop did (``loop_reason`` says why)."""
+    ``static``: it ran on a static (compileable) ``RelayCache``; ``fast_decode``: relay_hf's own decode loop (CUDA
+    graphs per step on CUDA, no host sync per token) ran it, else transformers' loop did (``loop_reason`` says
+    why)."""
 
     used: bool
     reason: str
@@ -90,8 +90,10 @@ class Plan:
             compiled with ``compile_config`` (and captured as a CUDA graph on CUDA) where that is set
             (``loop_reason`` says why not).
         new_tokens: tokens stock ``generate`` would make at most. ``static_capacity``: suffix positions of the
-            static cache. ``ids`` / ``mask`` ``[B, T]``; ``n_pad`` ``[B]``
-            left pads; ``user_cache``: the caller's ``RelayCache`` (never mutated); ``gen``: the resolved config.
+            static cache; ``static_rows``: its rows (on relay_hf's loop the batch rounded up to a capture size,
+            ``DecodeConfig.bucket``). ``ids`` / ``mask`` ``[B, T]``; ``n_pad`` ``[B]``
+            left pads; ``user_cache``: the caller's ``RelayCache`` (never mutated); ``gen``: the resolved config;
+            ``sampler``: how relay_hf's loop picks tokens (``decode.loop_sampler``).
     """
 
     relay: bool
@@ -104,12 +106,14 @@ class Plan:
     loop_reason: str = ""
     new_tokens: int = 0
     static_capacity: int = 0
+    static_rows: int = 0
     ids: torch.Tensor | None = field(default=None, repr=False)
     mask: torch.Tensor | None = field(default=None, repr=False)
     n_pad: torch.Tensor | None = field(default=None, repr=False)
     user_cache: RelayCache | None = field(default=None, repr=False)
     gen: GenerationConfig | None = field(default=None, repr=False)
     compile_config: CompileConfig | None = field(default=None, repr=False)
+    sampler: Sampler | None = field(default=None, repr=False)
 
     def decision(self) -> RelayDecision:
         return RelayDecision(self.relay, self.reason, self.prefix_length, self.rows, self.static, self.fast_decode,
@@ -183,23 +187,37 @@ def new_tokens(model, call: dict, gen: GenerationConfig, T: int) -> int:
 
 
 def loop_reason(model, gen: GenerationConfig, call: dict, n_new: int) -> str | None:
-    """Why this static-cache call cannot run on relay_hf's decode loop (then transformers' loop runs it), or
-    ``None``."""
+    """Why relay_hf's decode loop cannot run this call (then transformers' loop runs it), or ``None``. Logits
+    processors are judged by ``decode.loop_sampler``."""
     for key, neutral in _LOOP_NEUTRAL.items():
         if getattr(gen, key, None) not in neutral:
-            return f"{key}={getattr(gen, key)!r}"
-    for key in ("logits_processor", "stopping_criteria", "synced_gpus"):
+            return f"{key}={getattr(gen, key)!r} runs on transformers' loop"
+    for key in ("logits_processor", "stopping_criteria"):
         if call.get(key):
-            return f"`{key}` given"
+            return f"a user `{key}` runs on transformers' loop"
     extra = sorted(k for k, v in call.items() if v is not None and k not in _LOOP_ARGS and not hasattr(gen, k))
     if extra:
-        return f"model kwargs {extra}"
+        return f"model kwargs {extra} run on transformers' loop"
     if n_new < 1:
         return "no new tokens"
     if getattr(model, "hf_quantizer", None) is not None and not model.hf_quantizer.is_compileable:
         return "a quantizer that cannot compile"
     if len(set(getattr(model, "hf_device_map", {"": 0}).values())) > 1:
         return "a model spread over several devices"
+    return None
+
+
+def loop_wanted(model, gen: GenerationConfig) -> str | None:
+    """Why this call would not decode on relay_hf's loop even if it could, or ``None``: the loop runs by default on
+    CUDA (``patch(model, decode="auto")``), anywhere with ``decode="graph"`` / ``"compile"``, and for a call that asks
+    for a compiled decode the transformers way (``cache_implementation="static"`` or a ``compile_config``)."""
+    mode = model._relay_state.decode
+    if gen.cache_implementation == "static" or gen.compile_config is not None or mode in ("graph", "compile"):
+        return None
+    if mode == "eager":
+        return "patch(model, decode='eager') decodes on transformers' loop"
+    if model.device.type != "cuda":
+        return "transformers' loop off CUDA (patch(model, decode='graph') runs relay_hf's loop here)"
     return None
 
 
@@ -285,8 +303,7 @@ def _decide(model, call: dict) -> Plan:
     if gen.cache_implementation not in (None, "static"):
         raise _Stock(f"cache_implementation={gen.cache_implementation!r} is not supported by the relay path")
     beams = max(gen.num_beams or 1, gen.num_return_sequences or 1)
-    # the transformers way to ask for a compiled decode (static cache / compile_config) gets a static RelayCache
-    static = (gen.cache_implementation == "static" or gen.compile_config is not None) and (gen.num_beams or 1) == 1
+    asked_static = gen.cache_implementation == "static" or gen.compile_config is not None
     mask = call.get("attention_mask")
     if mask is None:
         if gen.pad_token_id is not None and bool((ids == gen.pad_token_id).any()):
@@ -302,10 +319,21 @@ def _decide(model, call: dict) -> Plan:
     n_new = new_tokens(model, call, gen, T)
     if n_new < 1:
         raise _Stock("no new tokens to generate", expected=True)
-    loop_why = loop_reason(model, gen, call, n_new) if static else ""
-    fast = static and loop_why is None
-    compiled = compile_config(model, gen) if fast else None
-    captured = compiled is not None  # relay_hf's loop compiled (and on CUDA captured as a graph)
+    loop_why = loop_wanted(model, gen) or loop_reason(model, gen, call, n_new)
+    sampler = None
+    if loop_why is None:
+        sampler = loop_sampler(model, gen, ids, mask)
+        if isinstance(sampler, str):
+            loop_why, sampler = f"{sampler} runs on transformers' loop", None
+    fast = loop_why is None
+    if gen.repetition_penalty not in (None, 1.0) and not fast:  # stock's processor reads where each row's pads are
+        raise _Stock(f"`repetition_penalty` off relay_hf's loop ({loop_why}) depends on the prompt's token order; "
+                     "relay_hf runs it on stock generate")
+    # a static RelayCache for relay_hf's loop, and for transformers' loop when the call asks for one
+    static = fast or (asked_static and (gen.num_beams or 1) == 1)
+    compiled = compile_config(model, gen) if fast and (asked_static or model._relay_state.decode == "compile") \
+        else None
+    captured = fast and model.device.type == "cuda"  # relay_hf's loop as CUDA graphs
     if cache is not None:
         check_cache(model, cache, ids, n_pad)
         P = cache.prefix_length
@@ -327,4 +355,5 @@ def _decide(model, call: dict) -> Plan:
         capacity = capacity if window is None else min(capacity, window - P)
     return Plan(True, "relay", rows=rows, prefix_length=P, static=static, fast_decode=fast,
                 loop_reason="relay_hf decode loop" if fast else loop_why, new_tokens=n_new, static_capacity=capacity,
-                ids=ids, mask=mask, n_pad=n_pad, user_cache=cache, gen=gen, compile_config=compiled)
+                static_rows=DEFAULT_DECODE.bucket(rows) if fast else rows, ids=ids, mask=mask, n_pad=n_pad,
+                user_cache=cache, gen=gen, compile_config=compiled, sampler=sampler)

@@ -37,6 +37,7 @@ PROBE_SUFFIXES = (3, 1)  # tokens after the prefix per row: the second row is le
 # trained model by a sizeable fraction of their range; fp32 also catches the small shifts of random-weight models.
 RTOL = {torch.float64: 1e-7, torch.float32: 1e-4, torch.float16: 2e-2, torch.bfloat16: 5e-2}
 DEFAULT_RTOL = 5e-2  # other dtypes (quantized weights)
+HALF_DEPTH = 2  # 16-bit models are compared on the hidden state after this many layers (``_last_logits``)
 _MAX_ERROR_CHARS = 200
 
 
@@ -146,10 +147,19 @@ def _positions(mask: torch.Tensor) -> torch.Tensor:
 
 
 def _last_logits(model, ids: torch.Tensor, mask: torch.Tensor, positions: bool, **kwargs) -> torch.Tensor:
-    """Last-position logits ``[B, V]`` (fp32) of one forward of ``ids`` (the last ``ids.shape[1]`` columns of
-    ``mask``), passing what ``generate`` would pass."""
+    """What the probe compares of one forward of ``ids`` (the last ``ids.shape[1]`` columns of ``mask``), passing
+    what ``generate`` would pass: the last position's logits ``[B, V]`` (fp32); for a 16-bit model its hidden state
+    after layer ``HALF_DEPTH`` instead (``[B, hidden]``, fp32), where every way relay can go wrong already shows (a
+    wrong key or position in the first layer, bidirectional attention in the second) while the summation-order noise
+    of the 16-bit layers has not grown: through 32 random-weight bf16 layers it reaches the tolerance on logits."""
     extra = dict(position_ids=_positions(mask)[:, -ids.shape[1]:]) if positions else {}
-    return model(input_ids=ids, attention_mask=mask, **extra, **kwargs).logits[:, -1].float()
+    half = next(model.parameters()).dtype in (torch.float16, torch.bfloat16)
+    out = model(input_ids=ids, attention_mask=mask, **extra, **kwargs, **({"output_hidden_states": True} if half
+                                                                           else {}))
+    hidden = getattr(out, "hidden_states", None) if half else None
+    if hidden:
+        return hidden[min(HALF_DEPTH, len(hidden) - 1)][:, -1].float()
+    return out.logits[:, -1].float()
 
 
 def _stock_logits(model, inputs: dict) -> tuple[torch.Tensor, torch.Tensor]:
@@ -181,7 +191,7 @@ def _compare(stock, relay, rtol: float) -> str | None:
         diff = float((a - b).abs().nan_to_num(float("inf")).max())
         scale = float(a.abs().nan_to_num(0.0).max())
         if diff > rtol * max(scale, 1.0):
-            return f"{what} (max |diff| {diff:.3g}, max |logit| {scale:.3g})"
+            return f"{what} (max |diff| {diff:.3g}, max |value| {scale:.3g})"
     return None
 
 

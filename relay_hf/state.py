@@ -2,7 +2,7 @@
 
 One owner: only the methods here read or write it. Per-call state never lives here (a call's plan, cache and
 decision are its own), so concurrent ``generate`` calls on one model are as independent as stock's: the one shared
-thing, the idle static cache (and the decode step captured on it), is handed to one call at a time under a lock.
+thing, the idle static caches (and the decode steps captured on them), are handed to one call at a time under a lock.
 """
 
 from __future__ import annotations
@@ -22,40 +22,48 @@ class StaticSlot:
 
 @dataclass(eq=False)
 class RelayState:
-    """Per-model settings of ``patch`` and the idle static slot.
+    """Per-model settings of ``patch`` and the idle static slots (at most ``MAX_IDLE``, most recent first: two, so a
+    job alternating two batch buckets replays both without capturing again).
 
     Attributes:
         original_attn: the attention implementation the model had before ``patch`` (what ``unpatch`` restores).
         min_prefix_length: shortest shared prefix (tokens) worth a separate prefill.
         declined: why ``patch`` left the model on its own attention (``None``: relay serves it).
+        decode: which decode loop ``patch(model, decode=...)`` chose (``policy.loop_wanted``).
     """
 
     original_attn: str
     min_prefix_length: int
     declined: str | None
+    decode: str = "auto"
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
-    _idle: StaticSlot | None = field(default=None, repr=False)
+    _idle: list = field(default_factory=list, repr=False)
+    MAX_IDLE = 2
 
     def take_static(self, fits) -> StaticSlot | None:
-        """The idle slot if ``fits(slot.cache)``, now owned by the caller; else ``None``, and a slot that does not fit
-        is dropped (its buffers and graph are freed before the caller allocates new ones)."""
+        """The first idle slot (most recent first) for which ``fits(slot.cache)`` holds, now owned by the caller. When
+        none fits, ``None``, and the least recent slot is dropped if the caller's new one would be one too many (its
+        buffers and graphs are freed before the caller allocates new ones)."""
         with self._lock:
-            slot, self._idle = self._idle, None
-        return slot if slot is not None and fits(slot.cache) else None
+            for i, slot in enumerate(self._idle):
+                if fits(slot.cache):
+                    return self._idle.pop(i)
+            del self._idle[self.MAX_IDLE - 1:]
+        return None
 
     def give_back_static(self, slot: StaticSlot) -> None:
-        """Keep ``slot`` for the next call (one idle slot; a concurrent caller's is dropped if one is kept)."""
+        """Keep ``slot`` for the next call, first in line; beyond ``MAX_IDLE`` the least recent is dropped."""
         with self._lock:
-            if self._idle is None:
-                self._idle = slot
+            self._idle.insert(0, slot)
+            del self._idle[self.MAX_IDLE:]
 
     def idle_static(self) -> StaticSlot | None:
-        """The idle slot, for inspection (tests, benchmarks); do not use it while a call may run."""
-        return self._idle
+        """The most recent idle slot, for inspection (tests, benchmarks); do not use it while a call may run."""
+        return self._idle[0] if self._idle else None
 
     def __getstate__(self):  # pickling / deepcopy of a patched model: settings only, no lock, no buffers or graphs
         return {"original_attn": self.original_attn, "min_prefix_length": self.min_prefix_length,
-                "declined": self.declined}
+                "declined": self.declined, "decode": self.decode}
 
     def __setstate__(self, state):
         self.__init__(**state)

@@ -57,15 +57,15 @@ def test_kernel_cpu_smoke_run_appends_exact_relay_rows(tmp_path, one_thread):
 
 def test_generate_cpu_smoke_run_measures_every_column(tmp_path, one_thread):
     """The generate benchmark's CPU path on a tiny random model: for every mode the cold first call, first token,
-    greedy and sampling steps and the new-batch first call, and relay used exactly by the relay modes (the static
-    one on relay_hf's loop for greedy calls, transformers' loop for sampling)."""
+    greedy and sampling steps, the new-batch and longer-prompt first calls, and relay used exactly by the relay modes
+    (off CUDA the static one on relay_hf's loop, greedy and sampling; the others on transformers' loop)."""
     path = tmp_path / "generate.csv"
     generate.main(["--model-shape", "tiny", "--device", "cpu", "--dtype", "float32", "--prefix-len", "32", "--batch",
                    "2", "--new-tokens", "3", "--reps", "1", "--modes", *generate.MODES, "--csv", str(path)])
     rows = common.read_rows(path)
     assert list(rows[0]) == common.GENERATE_FIELDS
     expected = {"cold_first_call", "ttft", "step", "tok_per_s", "bandwidth", "sample_first_call", "sample_step",
-                "new_batch_first_call"}
+                "new_batch_first_call", "longer_prompt_call"}
     for mode in generate.MODES:
         got = {r["metric"]: r for r in rows if r["mode"] == mode}
         assert set(got) == expected, mode
@@ -77,9 +77,8 @@ def test_generate_cpu_smoke_run_measures_every_column(tmp_path, one_thread):
             assert float(got["tok_per_s"]["median"]) == pytest.approx(2 / step * 1e3, rel=1e-4)
         relay = mode.startswith("relay")
         assert got["step"]["relay_used"] == str(relay) and got["sample_step"]["relay_used"] == str(relay)
-        assert got["step"]["relay_loop"] == str(mode == "relay_compiled")
-        assert got["sample_step"]["relay_loop"] == "False"
-        assert got["new_batch_first_call"]["note"] == "B=3"
+        assert got["step"]["relay_loop"] == got["sample_step"]["relay_loop"] == str(mode == "relay_compiled")
+        assert got["new_batch_first_call"]["note"] == "B=3" and got["longer_prompt_call"]["note"] == "U=128"
     assert {r["new_tokens"] for r in rows} == {"3"}
 
 

@@ -51,7 +51,20 @@ def test_a_plan_says_what_runs_and_why():
     static = decide(model, _call(ids, mask, max_new_tokens=5, cache_implementation="static"))
     assert static.static and static.fast_decode and static.compile_config is None  # no compile on the CPU
     sampled = decide(model, _call(ids, mask, max_new_tokens=5, cache_implementation="static", do_sample=True))
-    assert sampled.static and not sampled.fast_decode and "do_sample" in sampled.loop_reason
+    assert sampled.static and sampled.fast_decode and sampled.sampler.sample  # the loop samples too
+    scored = decide(model, _call(ids, mask, max_new_tokens=5, cache_implementation="static", output_scores=True,
+                                 return_dict_in_generate=True))
+    assert scored.static and not scored.fast_decode and "return_dict_in_generate" in scored.loop_reason
+    assert "decode='graph'" in plan.loop_reason  # off CUDA the default is transformers' loop, and says so
+    rep = decide(model, _call(ids, mask, max_new_tokens=5, repetition_penalty=1.2))
+    assert not rep.relay and "repetition_penalty" in rep.reason  # off the loop stock's processor reads pad positions
+    relay_hf.patch(model, min_prefix_length=8, decode="graph")
+    rep = decide(model, _call(ids, mask, max_new_tokens=5, repetition_penalty=1.2))
+    assert rep.relay and rep.fast_decode and rep.sampler.penalty == 1.2
+    suppress = decide(model, _call(ids, mask, max_new_tokens=5, suppress_tokens=[5]))
+    assert suppress.relay and not suppress.fast_decode and "SuppressTokens" in suppress.loop_reason
+    assert decide(model, _call(ids[:3], mask[:3], max_new_tokens=5)).static_rows == 4  # rounded up to a bucket
+    relay_hf.patch(model, min_prefix_length=8, decode="auto")
     beams = decide(model, _call(ids, mask, num_beams=2, num_return_sequences=2))
     assert beams.relay and beams.rows == 8 and not beams.static
     ngram = decide(model, _call(ids, mask, no_repeat_ngram_size=2))

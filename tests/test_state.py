@@ -1,4 +1,5 @@
-"""What a patched model keeps: one idle static slot, handed to one call at a time; settings survive copies."""
+"""What a patched model keeps: up to two idle static slots, each handed to one call at a time; settings survive
+copies."""
 
 import copy
 import pickle
@@ -27,14 +28,17 @@ def test_the_idle_slot_goes_to_one_caller_at_a_time():
     assert [s for s in taken if s is not None] == [slot]
 
 
-def test_a_slot_that_does_not_fit_is_dropped_and_one_idle_slot_is_kept():
+def test_two_idle_slots_are_kept_most_recent_first_and_a_misfit_makes_room():
     state = RelayState("sdpa", 8, None)
-    first, second = StaticSlot(cache="a"), StaticSlot(cache="b")
-    state.give_back_static(first)
-    state.give_back_static(second)  # a concurrent caller's: one idle slot is enough
-    assert state.idle_static() is first
-    assert state.take_static(lambda cache: cache == "b") is None
-    assert state.idle_static() is None  # the misfit was dropped, so its buffers can be freed before new ones
+    first, second, third = StaticSlot(cache="a"), StaticSlot(cache="b"), StaticSlot(cache="c")
+    for slot in (first, second, third):
+        state.give_back_static(slot)
+    assert state.idle_static() is third  # the least recent ("a") was dropped
+    assert state.take_static(lambda cache: cache == "b") is second  # any idle slot that fits, the others stay
+    assert state.idle_static() is third
+    state.give_back_static(second)
+    assert state.take_static(lambda cache: cache == "z") is None
+    assert state.idle_static() is second and len(state._idle) == 1  # room made for the caller's new slot
 
 
 def test_copies_keep_the_settings_and_no_buffers():

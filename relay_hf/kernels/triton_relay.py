@@ -706,6 +706,70 @@ def _constexpr_tail(kernel, flags: dict) -> tuple:
     return tuple(flags[p.name] if p.name in flags else p.default for p in params[tail[0]:])
 
 
+def _idle(hook) -> bool:
+    """Whether a Triton launch hook would do nothing (``None``, or a ``HookChain`` with no hook in it): then a launch
+    may skip it (profilers register hooks, and then every launch goes through Triton)."""
+    return hook is None or getattr(hook, "calls", None) == []
+
+
+class _Direct:
+    """One compiled kernel launched through its C launcher with the arguments it takes, skipping Triton's per-launch
+    Python (the runner closure, scratch checks, the tensor-descriptor wrapper that rebuilds each TMA descriptor
+    every launch): about half of an eager call's host time (docs/performance.md, eager host column). ``launch``
+    returns ``False`` where that is not possible here (a kernel that needs scratch memory, a launch hook, a
+    launcher of another shape); the caller then launches through Triton."""
+
+    _MAX_DESCRIPTORS = 64  # expanded descriptor arguments per kernel, by prefix address
+
+    def __init__(self, kernel, grid: tuple, tail: tuple, device_index: int):
+        self.grid, self.tail, self.device_index, self.ok = grid, tail, device_index, False
+        try:
+            from triton import knobs
+            from triton.backends.nvidia.driver import make_tensordesc_arg
+
+            kernel._init_handles()
+            run = kernel._run
+            launch, meta = run.launch, None
+            code = getattr(launch, "__code__", None)  # None: the C launcher itself (no descriptor arguments)
+            cells = {} if code is None else dict(zip(code.co_freevars, launch.__closure__ or ()))
+            if cells:  # Triton's wrapper for tensor-descriptor arguments: its C launcher and descriptor layouts
+                launch, meta = cells["launcher"].cell_contents, cells["tensordesc_meta"].cell_contents
+                meta = list(meta) if meta else [None, None]  # no layouts: descriptors go as base, shape, strides
+            if run.global_scratch_size or run.profile_scratch_size or not callable(launch):
+                return
+            self.head = (kernel.function, run.launch_cooperative_grid, run.launch_pdl, None, None,
+                         kernel.packed_metadata, None, None, None)
+            self.c_launch, self.meta, self.expand, self.knobs = launch, meta, make_tensordesc_arg, knobs.runtime
+            self.descs: dict[tuple[int, int], tuple] = {}
+            self.ok = True
+        except (AttributeError, ImportError, KeyError, TypeError, ValueError):
+            self.ok = False
+
+    def launch(self, args: tuple, tma_key: tuple[int, int] | None) -> bool:
+        """Launch with ``args`` (this module's kernel-argument tuple, TMA descriptors at positions 3 and 4 when
+        ``tma_key``, the prefix addresses, is given). ``False``: nothing was launched."""
+        if not self.ok or not (_idle(self.knobs.launch_enter_hook) and _idle(self.knobs.launch_exit_hook)):
+            return False
+        if tma_key is not None:
+            expanded = self.descs.get(tma_key)
+            if expanded is None:
+                if self.meta is None or len(self.meta) != 2:
+                    self.ok = False
+                    return False
+                expanded = (*self.expand(args[3], self.meta[0]), *self.expand(args[4], self.meta[1]))
+                if len(self.descs) >= self._MAX_DESCRIPTORS:
+                    self.descs.pop(next(iter(self.descs)))
+                self.descs[tma_key] = expanded
+            args = (*args[:3], *expanded, *args[5:])
+        stream = torch._C._cuda_getCurrentRawStream(self.device_index)
+        try:
+            self.c_launch(*self.grid, stream, *self.head, *args, *self.tail)
+        except TypeError:  # the launcher parses its arguments before launching: nothing ran, Triton's path will
+            self.ok = False
+            return False
+        return True
+
+
 _MAX_COMPILED = 64  # reuse keys per plan (argument layouts); beyond, the oldest is dropped
 _LAUNCHES: dict[tuple, _Launch] = {}
 _MAX_LAUNCHES = 512  # distinct keys kept (a dynamic cache grows L_s by one a step: one key per step, not per layer)
@@ -787,10 +851,15 @@ def relay_attention_triton(query: torch.Tensor, prefix_key: torch.Tensor, prefix
             reuse_key = (torch.cuda.current_device(), tma, q_st, sk_st, sv_st, o_st)
             compiled = launch.compiled.get(reuse_key)
             if compiled is not None:
-                for (grid, _), tail, kernel in zip(launch.launches[tma], launch.tails[tma], compiled):
-                    kernel[grid](*args, *tail)
+                kernels, direct = compiled
+                tma_key = (prefix_key.data_ptr(), prefix_value.data_ptr()) if tma else None
+                for (grid, _), tail, kernel, fast in zip(launch.launches[tma], launch.tails[tma], kernels, direct):
+                    if not fast.launch(args, tma_key):
+                        kernel[grid](*args, *tail)
                 if launch.merge is not None:
-                    compiled[-1][launch.merge[0]](po, plse, out, o_st, *launch.merge[1], *launch.merge_tail)
+                    merge_args = (po, plse, out, o_st, *launch.merge[1])
+                    if not direct[-1].launch(merge_args, None):
+                        kernels[-1][launch.merge[0]](*merge_args, *launch.merge_tail)
                 return out
     compiled = [_partials_kernel[grid](*args, **flags) for grid, flags in launch.launches[tma]]
     if launch.merge is not None:
@@ -799,7 +868,11 @@ def relay_attention_triton(query: torch.Tensor, prefix_key: torch.Tensor, prefix
     if reuse_key is not None and all(isinstance(k, CompiledKernel) for k in compiled):
         if len(launch.compiled) >= _MAX_COMPILED:
             launch.compiled.pop(next(iter(launch.compiled)))
-        launch.compiled[reuse_key] = tuple(compiled)
+        grids = [grid for grid, _ in launch.launches[tma]] + ([launch.merge[0]] if launch.merge is not None else [])
+        tails = list(launch.tails[tma]) + ([launch.merge_tail] if launch.merge is not None else [])
+        index = torch.cuda.current_device()
+        direct = tuple(_Direct(k, g, t, index) for k, g, t in zip(compiled, grids, tails, strict=True))
+        launch.compiled[reuse_key] = (tuple(compiled), direct)
     return out
 
 

@@ -261,7 +261,9 @@ class _Stepper:
         intact), or ``None`` after a warning when it cannot be captured."""
         try:
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
+            # thread_local: another thread's eager work on the model (a concurrent stock call, a prefill) neither
+            # breaks this capture nor is refused while it runs
+            with torch.cuda.graph(graph, capture_error_mode="thread_local"):
                 fn()
         except Exception as err:  # noqa: BLE001 - decode on without the graph rather than lose the call
             warnings.warn(f"relay_hf: capturing the decode {what} failed ({type(err).__name__}: {err}); running it "

@@ -114,6 +114,10 @@ def _settings(processor) -> tuple:
 def loop_sampler(model, gen: GenerationConfig, ids: torch.Tensor, mask: torch.Tensor) -> Sampler | str:
     """The ``Sampler`` for this call (``ids`` / ``mask`` ``[B, T]`` in stock layout), or why the loop cannot
     reproduce stock's processing: stock's own processor list is built and each entry must be one the loop runs."""
+    head = getattr(model.get_output_embeddings(), "weight", None)
+    if not isinstance(head, torch.Tensor):
+        return "a model without an output embedding (its vocabulary size is unknown before a forward)"
+    vocab = head.shape[0]  # the logits' last dimension
     warpers, penalty, seen = [], None, None
     for proc in logits_processors(model, gen, ids, mask):
         name = type(proc).__name__
@@ -127,12 +131,11 @@ def loop_sampler(model, gen: GenerationConfig, ids: torch.Tensor, mask: torch.Te
             if (gen.num_return_sequences or 1) > 1:
                 return "repetition_penalty with num_return_sequences > 1"
             penalty = proc.penalty
-            vocab = model.get_output_embeddings().weight.shape[0]
             seen = proc(ids, torch.ones(ids.shape[0], vocab, device=ids.device)) != 1  # [B, V] what stock penalises
     eos = None
     if gen.eos_token_id is not None:
         eos_ids = torch.tensor(gen.eos_token_id, device=model.device).reshape(-1)
-        columns = torch.zeros(model.get_output_embeddings().weight.shape[0], dtype=torch.bool, device=model.device)
+        columns = torch.zeros(vocab, dtype=torch.bool, device=model.device)
         eos = eos_ids, columns.index_fill_(0, eos_ids, True)
     min_k = max(gen.min_new_tokens or 0, (gen.min_length or 0) - ids.shape[1])
     pad = gen.pad_token_id if gen.pad_token_id is not None else int(eos[0][0]) if eos is not None else 0

@@ -200,6 +200,10 @@ def loop_reason(model, gen: GenerationConfig, call: dict, n_new: int) -> str | N
         return f"model kwargs {extra} run on transformers' loop"
     if n_new < 1:
         return "no new tokens"
+    params = inspect.signature(model.forward).parameters
+    missing = [p for p in ("position_ids", "logits_to_keep") if p not in params]
+    if missing and not any(p.kind is p.VAR_KEYWORD for p in params.values()):
+        return f"the model's forward takes no {missing[0]}"
     if getattr(model, "hf_quantizer", None) is not None and not model.hf_quantizer.is_compileable:
         return "a quantizer that cannot compile"
     if len(set(getattr(model, "hf_device_map", {"": 0}).values())) > 1:

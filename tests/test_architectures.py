@@ -74,6 +74,21 @@ def test_relay_equals_stock_or_declines(model_type):
         assert torch.equal(out, stock), f"{type(model).__name__}: the stock fallback differs from stock"
 
 
+@pytest.mark.parametrize("model_type", ARCHS)
+def test_relay_hf_loop_equals_stock_or_goes_to_transformers_loop(model_type):
+    """The same call on relay_hf's decode loop (the default on CUDA; ``decode="graph"`` runs it here): stock's tokens,
+    or transformers' loop / stock with the reason recorded; never a crash stock does not have."""
+    model, ids, kwargs, stock = _stock(model_type)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", relay_hf.RelayFallbackWarning)
+        relay_hf.patch(model, min_prefix_length=TYPE_PREFIX, decode="graph")
+    with torch.no_grad():
+        out = model.generate(ids, **kwargs)
+    decision = model.relay_last_decision
+    assert torch.equal(out, stock), f"{type(model).__name__}: {decision}"
+    assert decision.fast_decode or decision.loop_reason or not decision.used, decision
+
+
 @pytest.mark.parametrize("static", [False, True])
 def test_value_head_dim_may_differ_from_the_keys(static):
     """MLA shapes (DeepSeek-V3, MiniCPM3: key head dim 24, value head dim 16): the suffix buffers are sized from their

@@ -135,9 +135,10 @@ def loop_sampler(model, gen: GenerationConfig, ids: torch.Tensor, mask: torch.Te
     eos = None
     if gen.eos_token_id is not None:
         eos_ids = torch.tensor(gen.eos_token_id, device=model.device).reshape(-1)
-        columns = torch.zeros(vocab, dtype=torch.bool, device=model.device)
-        eos = eos_ids, columns.index_fill_(0, eos_ids, True)
-    min_k = max(gen.min_new_tokens or 0, (gen.min_length or 0) - ids.shape[1])
+        # isin, as stock's processors and criterion match: an id outside the vocabulary never matches
+        eos = eos_ids, torch.isin(torch.arange(vocab, device=model.device), eos_ids)
+    # stock's _prepare_generated_length: min_new_tokens, when set, replaces min_length (as min_new_tokens + T)
+    min_k = gen.min_new_tokens if gen.min_new_tokens is not None else max(0, (gen.min_length or 0) - ids.shape[1])
     pad = gen.pad_token_id if gen.pad_token_id is not None else int(eos[0][0]) if eos is not None else 0
     sample = bool(gen.do_sample)
     key = (sample, tuple(_settings(w) for w in warpers), penalty,
@@ -169,7 +170,9 @@ class _Rows:
         self.graph = None
 
     def start(self, sampler: Sampler, rows_per_input: int) -> None:
-        self.sampler = sampler  # same key: same baked settings; its per-call tensors are copied in
+        """Reset for a call whose sampler has this one's key. ``self.sampler`` stays the one the choice graph was
+        captured with (the graph reads its EOS tensors; the key says the new one's settings are the same): only the
+        per-call values are copied in."""
         self.k.zero_()
         self.min_k.fill_(sampler.min_k)
         self.unfinished.fill_(True)

@@ -288,6 +288,8 @@ def _decide(model, call: dict) -> Plan:
     ids = call.get("inputs", call.get("input_ids"))
     if not isinstance(ids, torch.Tensor) or ids.dim() != 2 or ids.dtype.is_floating_point or ids.shape[1] == 0:
         raise _Stock("relay needs 2D integer input_ids", expected=True)
+    if ids.device != model.device:
+        raise _Stock(f"input_ids on {ids.device}, the model on {model.device}", expected=True)
     for key in _STOCK_KWARGS:
         if call.get(key) is not None:
             raise _Stock(f"`{key}` is not supported by the relay path")

@@ -37,7 +37,8 @@ PROBE_SUFFIXES = (3, 1)  # tokens after the prefix per row: the second row is le
 # trained model by a sizeable fraction of their range; fp32 also catches the small shifts of random-weight models.
 RTOL = {torch.float64: 1e-7, torch.float32: 1e-4, torch.float16: 2e-2, torch.bfloat16: 5e-2}
 DEFAULT_RTOL = 5e-2  # other dtypes (quantized weights)
-HALF_DEPTH = 2  # 16-bit models are compared on the hidden state after this many layers (``_last_logits``)
+HALF_DEPTH = 2  # 16-bit models: the hidden state after this many layers is held to the dtype's tolerance,
+HALF_LOGIT_RTOL = 0.25  # and the logits to this one (``_last_logits``)
 _MAX_ERROR_CHARS = 200
 
 
@@ -146,20 +147,20 @@ def _positions(mask: torch.Tensor) -> torch.Tensor:
     return (mask.long().cumsum(-1) - 1).masked_fill(mask == 0, 0)
 
 
-def _last_logits(model, ids: torch.Tensor, mask: torch.Tensor, positions: bool, **kwargs) -> torch.Tensor:
+def _last_logits(model, ids: torch.Tensor, mask: torch.Tensor, positions: bool, **kwargs) -> tuple:
     """What the probe compares of one forward of ``ids`` (the last ``ids.shape[1]`` columns of ``mask``), passing
-    what ``generate`` would pass: the last position's logits ``[B, V]`` (fp32); for a 16-bit model its hidden state
-    after layer ``HALF_DEPTH`` instead (``[B, hidden]``, fp32), where every way relay can go wrong already shows (a
-    wrong key or position in the first layer, bidirectional attention in the second) while the summation-order noise
-    of the 16-bit layers has not grown: through 32 random-weight bf16 layers it reaches the tolerance on logits."""
+    what ``generate`` would pass: ``(the last position's logits [B, V], its hidden state after layer HALF_DEPTH
+    [B, hidden] or None)``, fp32. The hidden state is taken for 16-bit models: every way relay can go wrong shows there
+    already (a wrong key or position in the first layer, bidirectional attention in the second) while the
+    summation-order noise of the 16-bit layers has not grown (through 32 random-weight bf16 layers it reaches the
+    logits' tolerance), so it is held to the dtype's tolerance and the logits to ``HALF_LOGIT_RTOL``."""
     extra = dict(position_ids=_positions(mask)[:, -ids.shape[1]:]) if positions else {}
     half = next(model.parameters()).dtype in (torch.float16, torch.bfloat16)
     out = model(input_ids=ids, attention_mask=mask, **extra, **kwargs, **({"output_hidden_states": True} if half
                                                                            else {}))
     hidden = getattr(out, "hidden_states", None) if half else None
-    if hidden:
-        return hidden[min(HALF_DEPTH, len(hidden) - 1)][:, -1].float()
-    return out.logits[:, -1].float()
+    early = hidden[min(HALF_DEPTH, len(hidden) - 1)][:, -1].float() if hidden else None
+    return out.logits[:, -1].float(), early
 
 
 def _stock_logits(model, inputs: dict) -> tuple[torch.Tensor, torch.Tensor]:
@@ -182,16 +183,22 @@ def _relay_logits(model, inputs: dict) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def _compare(stock, relay, rtol: float) -> str | None:
-    """Where and by how much the relay logits differ from stock's beyond ``rtol``, or ``None``."""
-    for what, a, b in (("prompt", stock[0], relay[0]), ("decode step", stock[1], relay[1])):
-        if a.shape != b.shape:
-            return f"{what} (logits of shape {tuple(b.shape)}, stock's {tuple(a.shape)})"
-        if bool(torch.isfinite(a).all()) and not bool(torch.isfinite(b).all()):
-            return f"{what} (non-finite logits where stock's are finite)"
-        diff = float((a - b).abs().nan_to_num(float("inf")).max())
-        scale = float(a.abs().nan_to_num(0.0).max())
-        if diff > rtol * max(scale, 1.0):
-            return f"{what} (max |diff| {diff:.3g}, max |value| {scale:.3g})"
+    """Where and by how much the relay outputs differ from stock's beyond ``rtol``, or ``None``: logits, or for a
+    16-bit model the early hidden state at ``rtol`` and the logits at ``HALF_LOGIT_RTOL``."""
+    for what, (a_logits, a_early), (b_logits, b_early) in (("prompt", stock[0], relay[0]),
+                                                            ("decode step", stock[1], relay[1])):
+        pairs = [(a_logits, b_logits, rtol if a_early is None else HALF_LOGIT_RTOL, "logits")]
+        if a_early is not None and b_early is not None:
+            pairs.append((a_early, b_early, rtol, f"hidden state after layer {HALF_DEPTH}"))
+        for a, b, tol, name in pairs:
+            if a.shape != b.shape:
+                return f"{what} ({name} of shape {tuple(b.shape)}, stock's {tuple(a.shape)})"
+            if bool(torch.isfinite(a).all()) and not bool(torch.isfinite(b).all()):
+                return f"{what} (non-finite {name} where stock's are finite)"
+            diff = float((a - b).abs().nan_to_num(float("inf")).max())
+            scale = float(a.abs().nan_to_num(0.0).max())
+            if diff > tol * max(scale, 1.0):
+                return f"{what} ({name}: max |diff| {diff:.3g}, max |value| {scale:.3g})"
     return None
 
 

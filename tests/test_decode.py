@@ -519,3 +519,20 @@ def test_captured_loop_gives_stock_tokens_and_rng_on_gpu(arch):
         assert torch.equal(loop, stock) and torch.equal(loop_draw, stock_draw), call
         if i == 0:  # stopped on EOS inside a chunk: the loop drew past stock's last step
             assert (stock.shape[1] - ids.shape[1]) % DEFAULT_DECODE.chunk != 0 and stock.shape[1] < ids.shape[1] + 40
+
+
+@pytest.mark.parametrize("gen", [
+    dict(min_new_tokens=2, min_length=10),  # min_new_tokens wins, as stock's _prepare_generated_length says
+    dict(eos_token_id=[2, 10_000], min_new_tokens=3),  # an EOS id beyond the vocabulary never matches
+    dict(eos_token_id=[2, -1], min_new_tokens=3),  # nor a negative one (stock warns, and never bans token V - 1)
+], ids=["min_new_tokens_and_min_length", "eos_beyond_vocab", "negative_eos"])
+def test_eos_ban_and_eos_ids_follow_stock(gen):
+    model = tiny_model("llama")
+    ids, mask, _ = shared_prefix_batch(seed=21)
+    gen = dict(gen, max_new_tokens=24, do_sample=False)
+    if "min_length" in gen:
+        gen["min_length"] += ids.shape[1]
+        gen["eos_token_id"] = _row_eos(model, ids, mask)
+    stock, draw = run_stock(model, ids, mask, **gen), torch.rand(3)
+    assert torch.equal(_loop(model, ids, mask, **gen), stock) and torch.equal(torch.rand(3), draw)
+    assert model.relay_last_decision.fast_decode

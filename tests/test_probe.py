@@ -180,3 +180,19 @@ def test_accepts_standard_attention_on_cuda(dtype):
     """On CUDA the relay side runs the Triton kernels; their numerics must sit inside the probe's tolerance."""
     assert probe_reason(on_relay(tiny_model("qwen2").to("cuda", dtype))) is None
     assert probe_reason(on_relay(tiny_model("diffllama").to("cuda", dtype))) is not None
+
+
+def test_a_16_bit_model_is_held_to_its_early_hidden_state_and_loosely_to_its_logits():
+    """16-bit summation noise grows through deep random-weight models: the logits get the loose tolerance, the hidden
+    state after an early layer the dtype's own; either beyond its tolerance is a reason."""
+    from relay_hf.probe import HALF_LOGIT_RTOL, RTOL, _compare
+
+    logits, hidden = torch.full((2, 8), 4.0), torch.full((2, 16), 2.0)
+    step = lambda dl, dh: (logits + dl, hidden + dh)  # noqa: E731
+    rtol = RTOL[torch.bfloat16]
+    stock = (step(0, 0), step(0, 0))
+    assert _compare(stock, (step(0, 0), step(0.5 * HALF_LOGIT_RTOL * 4, 0)), rtol) is None
+    assert "logits" in _compare(stock, (step(0, 0), step(2 * HALF_LOGIT_RTOL * 4, 0)), rtol)
+    assert "hidden state" in _compare(stock, (step(0, 2 * rtol * 2), step(0, 0)), rtol)
+    fp32 = ((logits, None), (logits, None))
+    assert "logits" in _compare(fp32, ((logits + 1e-2, None), (logits, None)), RTOL[torch.float32])

@@ -51,7 +51,8 @@ def triton_serves(dtype: torch.dtype, head_dim: int, value_head_dim: int, scale:
 
 def relay_attention(query: torch.Tensor, prefix_key: torch.Tensor, prefix_value: torch.Tensor,
                     suffix_key: torch.Tensor, suffix_value: torch.Tensor, *, scale: float | None = None,
-                    suffix_lengths: torch.Tensor | None = None, suffix_end: torch.Tensor | None = None
+                    suffix_lengths: torch.Tensor | None = None, suffix_end: torch.Tensor | None = None,
+                    softcap: float | None = None, sinks: torch.Tensor | None = None, window: int | None = None
                     ) -> torch.Tensor:
     """Exact attention of a batch over ONE shared prefix plus each row's own suffix.
 
@@ -70,22 +71,31 @@ def relay_attention(query: torch.Tensor, prefix_key: torch.Tensor, prefix_value:
             queries are positions ``end - L_q ... end - 1`` and ``suffix_lengths`` counts the valid positions ending
             at ``end``. Read on the device, so a captured graph replays correctly as ``end`` grows.
 
-    Every query sees the whole prefix and, causally, the valid part of its own suffix. ``H_q`` must be a multiple
-    of ``H_kv`` (GQA). All tensors share one dtype (fp16, bf16, fp32 or fp64) and device. Shapes, dtypes and devices
-    are checked always (``ValueError`` naming the argument); the values of ``suffix_lengths`` and ``suffix_end`` only
-    where that costs no host sync (CPU tensors, eager): on CUDA they are the caller's contract, and out of range the
-    kernels still read nothing outside the buffers.
+        softcap: every score becomes ``softcap * tanh(score / softcap)`` before the softmax (Gemma 2), or ``None``.
+        sinks: ``[H_q]`` floating point, one logit per query head that joins the softmax denominator once with no
+            value (gpt-oss), or ``None``.
+        window: a sliding window: a query at absolute position ``t`` (the prefix holds positions ``0 .. P - 1``, a
+            row's valid suffix tokens the next ones) sees only keys at positions ``> t - window``, so its prefix part
+            covers ``[max(0, t - window + 1), P)``; ``None``: no window.
+
+    Every query sees the whole prefix and, causally, the valid part of its own suffix (both within ``window``).
+    ``H_q`` must be a multiple of ``H_kv`` (GQA). All tensors share one dtype (fp16, bf16, fp32 or fp64) and device.
+    Shapes, dtypes and devices are checked always (``ValueError`` naming the argument); the values of
+    ``suffix_lengths`` and ``suffix_end`` only where that costs no host sync (CPU tensors, eager): on CUDA they are
+    the caller's contract, and out of range the kernels still read nothing outside the buffers.
 
     Returns:
         ``[B, H_q, L_q, D_v]`` in ``query.dtype`` (empty when ``B``, ``H_q``, ``L_q`` or ``D_v`` is 0). A query that
         sees no key at all (``P == 0`` and an empty row) gets zeros, never NaN.
 
     CUDA tensors go to the Triton kernels when ``relay_hf.kernels.triton_relay`` can run them (``triton_serves``);
-    everything else (CPU, fp64, ``D_v != D``, a non-positive ``scale``) runs the PyTorch reference, whose numerics the
-    kernels are tested against. Eager CUDA calls launch the kernels directly; under ``torch.compile``, or with inputs
-    that require grad, they go through the custom op ``torch.ops.relay_hf.relay_attention``.
+    everything else (CPU, fp64, ``D_v != D``, a non-positive ``scale``, and for now ``softcap``, ``sinks`` and
+    ``window``) runs the PyTorch reference, whose numerics the kernels are tested against. Eager CUDA calls launch
+    the kernels directly; under ``torch.compile``, or with inputs that require grad, they go through the custom op
+    ``torch.ops.relay_hf.relay_attention``.
     """
-    if query.is_cuda and triton_serves(query.dtype, query.shape[-1], prefix_value.shape[-1], scale):
+    options = softcap is not None or sinks is not None or window is not None  # the reference's alone, for now
+    if query.is_cuda and not options and triton_serves(query.dtype, query.shape[-1], prefix_value.shape[-1], scale):
         kernel_scale = default_scale(query.shape[-1]) if scale is None else float(scale)
         if not _plain_eager(query, prefix_key, prefix_value, suffix_key, suffix_value, suffix_lengths, suffix_end):
             if _triton_ok():
@@ -98,8 +108,9 @@ def relay_attention(query: torch.Tensor, prefix_key: torch.Tensor, prefix_value:
             # (docs/performance.md)
             return _EAGER_KERNEL(query, prefix_key, prefix_value, suffix_key, suffix_value, scale=kernel_scale,
                                  suffix_lengths=suffix_lengths, suffix_end=suffix_end)
-    return relay_attention_torch(query, prefix_key, prefix_value, suffix_key, suffix_value,
-                                 scale=scale, suffix_lengths=suffix_lengths, suffix_end=suffix_end)
+    return relay_attention_torch(query, prefix_key, prefix_value, suffix_key, suffix_value, scale=scale,
+                                 suffix_lengths=suffix_lengths, suffix_end=suffix_end, softcap=softcap, sinks=sinks,
+                                 window=window)
 
 
 __all__ = ["relay_attention", "relay_attention_torch", "triton_serves"]

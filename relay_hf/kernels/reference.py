@@ -123,13 +123,17 @@ def check_relay_values(L_q: int, L_s: int, suffix_lengths: torch.Tensor | None,
 
 
 def prefix_attention_torch(query: torch.Tensor, prefix_key: torch.Tensor, prefix_value: torch.Tensor,
-                           scale: float, config: ReferenceConfig = DEFAULT_REFERENCE_CONFIG
+                           scale: float, config: ReferenceConfig = DEFAULT_REFERENCE_CONFIG,
+                           softcap: float | None = None, prefix_start: torch.Tensor | None = None
                            ) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention of every query of the batch against the ONE shared prefix copy.
 
     Args:
         query: ``[B, H_q, L_q, D]``, at least one query row.
         prefix_key: ``[1, H_kv, P, D]``; prefix_value: ``[1, H_kv, P, D_v]``, same dtype as ``query``.
+        softcap: scores become ``softcap * tanh(score / softcap)`` (Gemma 2) before the softmax, or ``None``.
+        prefix_start: ``[B, L_q]`` int64, the first prefix position each query sees (a sliding window: ``t - window
+            + 1`` for a query at absolute position ``t``; ``>= P`` sees none), or ``None``: the whole prefix.
 
     Returns:
         ``out_p [B, H_q, L_q, D_v]`` (accumulation dtype) and ``lse_p [B, H_q, L_q]`` (natural log; ``-inf`` when
@@ -147,44 +151,58 @@ def prefix_attention_torch(query: torch.Tensor, prefix_key: torch.Tensor, prefix
                 torch.full((B, H_q, L_q), float("-inf"), dtype=acc, device=query.device))
     G = H_q // H_kv
     rows = query.view(B, H_kv, G, L_q, D).transpose(0, 1).reshape(H_kv, B * G * L_q, D).to(acc)  # [H_kv, N, D]
-    # the fused op needs one head dim for K and V, and a non-empty one
+    # the fused op needs one head dim for K and V, and a non-empty one, and computes plain softmax attention
     if (config.fused_prefix and query.device.type == "cpu" and query.dtype == torch.float32 and D == D_v
-            and D > 0):
+            and D > 0 and softcap is None and prefix_start is None):
         out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
             rows[None], prefix_key, prefix_value, 0.0, False, scale=scale)[:2]  # [1, H_kv, N, D], [1, H_kv, N]
         out, lse = out[0], lse[0]
     else:
+        start = None if prefix_start is None else (  # [H_kv, N, 1]: rows ordered (b, g, i) as ``rows``
+            prefix_start.long()[:, None, :].expand(B, G, L_q).reshape(1, B * G * L_q, 1).expand(H_kv, -1, -1))
         out, lse = _prefix_chunks(rows, prefix_key[0].to(acc), prefix_value[0].to(acc), scale,
-                                  config.max_score_elements)
+                                  config.max_score_elements, softcap, start)
     out = out.view(H_kv, B, G, L_q, D_v).transpose(0, 1).reshape(B, H_q, L_q, D_v)
     lse = lse.view(H_kv, B, G, L_q).transpose(0, 1).reshape(B, H_q, L_q)
     return out, lse
 
 
-def _prefix_chunks(rows: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, max_score_elements: int
+def _prefix_chunks(rows: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, max_score_elements: int,
+                   softcap: float | None = None, start: torch.Tensor | None = None
                    ) -> tuple[torch.Tensor, torch.Tensor]:
     """Softmax attention written out: ``rows [H_kv, N, D]`` against ``k [H_kv, P, D]``, ``v [H_kv, P, D_v]`` (all
-    one dtype).
+    one dtype); ``softcap`` as in ``prefix_attention_torch``; ``start [H_kv, N, 1]`` int64 the first visible prefix
+    position of each row, or ``None``.
 
-    Returns ``out [H_kv, N, D_v]`` and ``lse [H_kv, N]`` in that dtype. Rows go in chunks of at most
-    ``max_score_elements`` scores so a long prefill does not materialise all ``N * P`` of them.
+    Returns ``out [H_kv, N, D_v]`` and ``lse [H_kv, N]`` in that dtype (``-inf`` and zeros for a row that sees no
+    prefix position). Rows go in chunks of at most ``max_score_elements`` scores so a long prefill does not
+    materialise all ``N * P`` of them.
     """
     H_kv, N, _ = rows.shape
     out = torch.empty(H_kv, N, v.shape[-1], dtype=rows.dtype, device=rows.device)
     lse = torch.empty(H_kv, N, dtype=rows.dtype, device=rows.device)
     step = max(1, max_score_elements // max(1, H_kv * k.shape[1]))
-    for start in range(0, N, step):
-        scores = torch.matmul(rows[:, start:start + step], k.transpose(1, 2)) * scale  # [H_kv, n, P]
+    positions = torch.arange(k.shape[1], device=rows.device)
+    for first in range(0, N, step):
+        scores = torch.matmul(rows[:, first:first + step], k.transpose(1, 2)) * scale  # [H_kv, n, P]
+        if softcap is not None:
+            scores = torch.tanh(scores / softcap) * softcap
+        if start is not None:
+            scores = scores.masked_fill(positions < start[:, first:first + step], float("-inf"))
         lse_c = torch.logsumexp(scores, dim=-1)
-        out[:, start:start + step] = torch.matmul(torch.exp(scores - lse_c[..., None]), v)
-        lse[:, start:start + step] = lse_c
+        safe = torch.where(torch.isinf(lse_c), 0.0, lse_c)
+        out[:, first:first + step] = torch.matmul(torch.exp(scores - safe[..., None]), v)
+        lse[:, first:first + step] = lse_c
     return out, lse
 
 
 def suffix_attention_torch(query: torch.Tensor, suffix_key: torch.Tensor, suffix_value: torch.Tensor, scale: float,
-                           suffix_lengths: torch.Tensor | None, suffix_end: torch.Tensor | None = None
+                           suffix_lengths: torch.Tensor | None, suffix_end: torch.Tensor | None = None,
+                           softcap: float | None = None, window: int | None = None
                            ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Each row's queries against its own left-padded suffix, causal, GQA without expanding K/V.
+    """Each row's queries against its own left-padded suffix, causal, GQA without expanding K/V; ``softcap`` as in
+    ``prefix_attention_torch``; ``window``: a query sees only keys fewer than ``window`` positions back (its own
+    included), or ``None``.
 
     Args:
         query: ``[B, H_q, L_q, D]``; query ``i`` sits at suffix position ``end - L_q + i``.
@@ -208,10 +226,14 @@ def suffix_attention_torch(query: torch.Tensor, suffix_key: torch.Tensor, suffix
     acc = _acc_dtype(query.dtype)
     q = query.reshape(B, H_kv, G * L_q, D).to(acc)  # group folded into the query rows
     scores = torch.matmul(q, suffix_key.to(acc).transpose(2, 3)) * scale  # [B, H_kv, G*L_q, L_s]
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
     end = L_s if suffix_end is None else suffix_end.reshape(())  # a tensor stays a tensor: no host sync, traceable
     q_pos = torch.arange(L_q, device=query.device) + (end - L_q)
     k_pos = torch.arange(L_s, device=query.device)
     visible = (k_pos[None, :] <= q_pos[:, None])[None]  # [1, L_q, L_s]
+    if window is not None:  # the suffix is contiguous in positions, so buffer distance is token distance
+        visible = visible & (k_pos[None, :] > q_pos[:, None] - window)[None]
     if suffix_lengths is not None:
         first_valid = (end - suffix_lengths.long()).view(B, 1, 1)  # int64: no int8/uint8 wrap-around
         visible = visible & (k_pos.view(1, 1, L_s) >= first_valid)  # [B, L_q, L_s]
@@ -241,27 +263,75 @@ def merge_partials(out_p: torch.Tensor, lse_p: torch.Tensor, out_s: torch.Tensor
     return w_p * out_p + w_s * out_s, lse
 
 
+def add_sinks(out: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention sinks (gpt-oss): one learned logit per query head joins the softmax denominator once, with no
+    value. ``out [B, H_q, L_q, D_v]`` / ``lse [B, H_q, L_q]`` the merged partials, ``sinks [H_q]``: exactly a third
+    partial with value 0 and LSE ``sinks``, merged as ``merge_partials`` merges two."""
+    sink = sinks.to(lse.dtype).view(1, -1, 1).expand_as(lse)
+    return merge_partials(out, lse, torch.zeros_like(out), sink)
+
+
+def check_relay_options(query: torch.Tensor, softcap: float | None, sinks: torch.Tensor | None,
+                        window: int | None) -> None:
+    """Raise ``ValueError`` naming the option that does not fit: ``softcap > 0``, ``sinks [H_q]`` floating point on
+    the query's device, ``window >= 1``."""
+    if softcap is not None and not softcap > 0:
+        raise ValueError(f"softcap must be a positive float or None, got {softcap!r}")
+    if sinks is not None and (sinks.shape != (query.shape[1],) or not sinks.dtype.is_floating_point
+                              or sinks.device != query.device):
+        raise ValueError(f"sinks must be a floating-point [H_q={query.shape[1]}] tensor on {query.device}, got "
+                         f"{sinks.dtype} {tuple(sinks.shape)} on {sinks.device}")
+    if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
+        raise ValueError(f"window must be a positive int or None, got {window!r}")
+
+
+def _prefix_start(prefix_length: int, L_q: int, L_s: int, suffix_lengths: torch.Tensor | None,
+                  suffix_end: torch.Tensor | None, window: int, B: int, device) -> torch.Tensor:
+    """``[B, L_q]`` int64: the first prefix position each query sees under a sliding ``window``. Query ``i`` of row
+    ``b`` is the row's token ``n_b - L_q + i`` after the prefix (``n_b`` its valid suffix tokens), so it sits at
+    absolute position ``t = P + n_b - L_q + i`` and sees prefix positions ``>= t - window + 1``."""
+    if suffix_lengths is not None:
+        n = suffix_lengths.long()  # [B]
+    elif suffix_end is not None:
+        n = suffix_end.reshape(()).long().expand(B)  # every filled position is valid
+    else:
+        n = torch.full((B,), L_s, device=device)
+    t = prefix_length + n[:, None] - L_q + torch.arange(L_q, device=device)[None]  # [B, L_q]
+    return t - window + 1
+
+
 def relay_attention_torch(query: torch.Tensor, prefix_key: torch.Tensor, prefix_value: torch.Tensor,
                           suffix_key: torch.Tensor, suffix_value: torch.Tensor, *, scale: float | None = None,
                           suffix_lengths: torch.Tensor | None = None, suffix_end: torch.Tensor | None = None,
+                          softcap: float | None = None, sinks: torch.Tensor | None = None, window: int | None = None,
                           config: ReferenceConfig | None = None) -> torch.Tensor:
     """Relay attention in PyTorch; same contract as ``relay_hf.relay_attention``. ``config``: how the prefix pass
     computes (``DEFAULT_REFERENCE_CONFIG`` when ``None``).
+
+    ``softcap``, ``sinks`` and ``window`` (Gemma 2, gpt-oss, sliding-window layers; see ``relay_attention``) apply
+    to both parts alike: the cap to every score, the window by absolute position (the prefix part of a query at
+    position ``t`` covers prefix positions ``[max(0, t - window + 1), P)``), and the sinks once, in the merge.
 
     Returns ``[B, H_q, L_q, D_v]`` in ``query.dtype``; an empty result (``B``, ``H_q``, ``L_q`` or ``D_v`` zero) is an
     empty tensor of that shape.
     """
     check_relay_inputs(query, prefix_key, prefix_value, suffix_key, suffix_value, suffix_lengths, suffix_end)
+    check_relay_options(query, softcap, sinks, window)
     B, H_q, L_q, D = query.shape
     check_relay_values(L_q, suffix_key.shape[2], suffix_lengths, suffix_end)
     D_v = suffix_value.shape[-1]
     if B * H_q * L_q * D_v == 0:
         return query.new_zeros(B, H_q, L_q, D_v)
     scale = default_scale(D) if scale is None else scale
+    start = None if window is None else _prefix_start(prefix_key.shape[2], L_q, suffix_key.shape[2], suffix_lengths,
+                                                      suffix_end, window, B, query.device)
     out_p, lse_p = prefix_attention_torch(query, prefix_key, prefix_value, scale,
-                                          DEFAULT_REFERENCE_CONFIG if config is None else config)
-    out_s, lse_s = suffix_attention_torch(query, suffix_key, suffix_value, scale, suffix_lengths, suffix_end)
-    out, _ = merge_partials(out_p, lse_p, out_s, lse_s)
+                                          DEFAULT_REFERENCE_CONFIG if config is None else config, softcap, start)
+    out_s, lse_s = suffix_attention_torch(query, suffix_key, suffix_value, scale, suffix_lengths, suffix_end,
+                                          softcap, window)
+    out, lse = merge_partials(out_p, lse_p, out_s, lse_s)
+    if sinks is not None:
+        out, _ = add_sinks(out, lse, sinks)
     return out.to(query.dtype)
 
 

@@ -1,0 +1,93 @@
+"""``softcap``, ``sinks`` and ``window`` (Gemma 2, gpt-oss, sliding-window layers) in relay attention, against a
+float64 oracle written from the definitions: each row's prefix and valid suffix tokens at their absolute positions,
+one softmax over the capped scores, the sink logit in its denominator."""
+
+import itertools
+
+import pytest
+import torch
+
+from relay_hf.kernels import relay_attention, relay_attention_torch
+from tests.helpers import make_inputs
+
+
+def _oracle(q, pk, pv, sk, sv, lengths, end, softcap, sinks, window):
+    """Row by row, query by query: the keys a query at absolute position ``t`` sees, one float64 softmax."""
+    q, pk, pv, sk, sv = (t.double() for t in (q, pk, pv, sk, sv))
+    B, H_q, L_q, D = q.shape
+    H_kv, L_s, P = sk.shape[1], sk.shape[2], pk.shape[2]
+    end = L_s if end is None else int(end)
+    out = torch.zeros(B, H_q, L_q, sv.shape[-1], dtype=torch.float64)
+    for b in range(B):
+        n = end if lengths is None else int(lengths[b])
+        keys = torch.cat([pk[0], sk[b, :, end - n:end]], 1)  # [H_kv, P + n, D] at positions 0 .. P + n - 1
+        values = torch.cat([pv[0], sv[b, :, end - n:end]], 1)
+        for h in range(H_q):
+            kv = h // (H_q // H_kv)
+            for i in range(L_q):
+                t = P + n - L_q + i
+                pos = torch.arange(P + n)
+                # the prefix lies before every real query (a padding query, t < P, still sees it: the contract)
+                seen = ((pos < P) | (pos <= t)) & ((pos > t - window) if window is not None else True)
+                s = (keys[kv] @ q[b, h, i]) * D ** -0.5
+                if softcap is not None:
+                    s = torch.tanh(s / softcap) * softcap
+                s = s.masked_fill(~seen, float("-inf"))
+                if sinks is not None:
+                    s = torch.cat([s, sinks[h].double().view(1)])
+                    values_h = torch.cat([values[kv], torch.zeros(1, values.shape[-1], dtype=torch.float64)])
+                else:
+                    values_h = values[kv]
+                if torch.isinf(s).all():
+                    continue  # sees nothing: zeros (the relay contract)
+                out[b, h, i] = torch.softmax(s, 0) @ values_h
+    return out
+
+
+GRID = list(itertools.product([0, 5, 12], [None, 1, 4, 12, 40], [None, 2.5], [False, True], [1, 3]))
+
+
+@pytest.mark.parametrize("P,window,softcap,padded,L_q", GRID)
+def test_options_match_the_float64_oracle(P, window, softcap, padded, L_q):
+    q, pk, pv, sk, sv, lengths = make_inputs(3, 2, 2, L_q, 7, P, 8, padded=padded, seed=P + 3 * L_q)
+    sinks = torch.randn(q.shape[1]) if softcap is None else None  # sinks with and without the cap across the grid
+    if P == 5:
+        sinks = torch.randn(q.shape[1])
+    out = relay_attention_torch(q, pk, pv, sk, sv, suffix_lengths=lengths, softcap=softcap, sinks=sinks,
+                                window=window)
+    ref = _oracle(q, pk, pv, sk, sv, lengths, None, softcap, sinks, window)
+    assert torch.isfinite(out).all()
+    torch.testing.assert_close(out.double(), ref, atol=2e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize("window", [1, 3, 9])
+def test_a_static_buffer_and_a_window_agree_with_the_oracle(window):
+    """A static suffix buffer filled up to ``end``: the queries are the last ``L_q`` filled positions, and each
+    row's absolute positions come from its valid length."""
+    q, pk, pv, sk, sv, lengths = make_inputs(3, 2, 2, 2, 10, 6, 8, padded=True, seed=window)
+    end = torch.tensor(8)
+    lengths = lengths.clamp(max=8).clamp(min=2)
+    out = relay_attention_torch(q, pk, pv, sk, sv, suffix_lengths=lengths, suffix_end=end, window=window)
+    torch.testing.assert_close(out.double(), _oracle(q, pk, pv, sk, sv, lengths, end, None, None, window),
+                               atol=2e-6, rtol=1e-5)
+
+
+def test_a_window_larger_than_every_position_is_no_window_and_sinks_only_lower_the_weights():
+    q, pk, pv, sk, sv, lengths = make_inputs(2, 2, 2, 1, 5, 9, 8, padded=True, seed=1)
+    plain = relay_attention_torch(q, pk, pv, sk, sv, suffix_lengths=lengths)
+    torch.testing.assert_close(relay_attention(q, pk, pv, sk, sv, suffix_lengths=lengths, window=1000), plain)
+    sunk = relay_attention(q, pk, pv, sk, sv, suffix_lengths=lengths, sinks=torch.full((4,), -1e4))
+    torch.testing.assert_close(sunk, plain)  # a sink at -inf in practice changes nothing
+    heavy = relay_attention(q, pk, pv, sk, sv, suffix_lengths=lengths, sinks=torch.full((4,), 50.0))
+    assert heavy.abs().max() < 1e-6  # a dominant sink takes all the weight (and has no value)
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(softcap=0.0), "softcap"), (dict(softcap=-1.0), "softcap"),
+    (dict(sinks=torch.zeros(3)), "sinks"), (dict(sinks=torch.zeros(4, dtype=torch.long)), "sinks"),
+    (dict(window=0), "window"), (dict(window=2.5), "window"), (dict(window=True), "window"),
+])
+def test_bad_options_name_themselves(kwargs, match):
+    q, pk, pv, sk, sv, lengths = make_inputs(2, 2, 2, 1, 5, 4, 8, seed=0)
+    with pytest.raises(ValueError, match=match):
+        relay_attention(q, pk, pv, sk, sv, **kwargs)

@@ -5,9 +5,10 @@ switches of the model's settings (so concurrent calls on one model cannot distur
 
 * ``relay_attention_forward`` (``AttentionInterface``) runs relay attention when the cache hands it
   ``RelayKV(prefix, suffix)`` pairs (a ``RelayCache``), and otherwise is exactly the model's own implementation (the
-  one it had before ``patch``: sdpa, eager, flash...; sdpa for a model that was never patched).
-* ``relay_mask`` (``AttentionMaskInterface``) builds exactly the own implementation's mask. Only for a full-attention
-  layer of a dynamic ``RelayCache`` (the one cache that reports ``kv_offset = P > 0`` there) it returns a
+  one it had before ``patch``: sdpa, eager, flash...; sdpa for a model that was never patched). The module's logit
+  softcap, attention sinks and sliding window go to ``relay_attention`` as they are.
+* ``relay_mask`` (``AttentionMaskInterface``) builds exactly the own implementation's mask. Only for a layer of a
+  dynamic ``RelayCache`` (the one cache that reports ``kv_offset = P > 0``), full or sliding, it returns a
   ``RelayMask`` instead: ``suffix_lengths``, each row's valid (non-pad) suffix tokens. A static
   ``RelayCache`` carries its rows' extents with its keys and reports no mask positions (``kv_length == 0``): no mask
   is built, so a compiled decode step has no mask work.
@@ -81,8 +82,9 @@ def relay_mask(batch_size: int, q_length: int, kv_length: int, q_offset: int = 0
     name = stock_implementation(kwargs.get("config"))
     args = dict(batch_size=batch_size, q_length=q_length, kv_length=kv_length, q_offset=q_offset,
                 kv_offset=kv_offset, mask_function=mask_function, attention_mask=attention_mask, **kwargs)
-    if kv_offset == 0 or "local_size" in kwargs:  # no relay prefix in front of these keys
+    if kv_offset == 0:  # no relay prefix in front of these keys
         return _stock_mask(name, **args)
+    # a relay prefix (a sliding layer too: relay attention applies the window itself, by each row's positions)
     suffix_lengths = None
     if attention_mask is not None:
         if not is_torchdynamo_compiling() and not bool(attention_mask[:, :kv_offset].all()):
@@ -105,19 +107,29 @@ def _stock_attention(module, query, key, value, attention_mask, **kwargs):
     return fn(module, query, key, value, attention_mask, **kwargs)
 
 
+# attention-function arguments that change the result and that relay attention does not implement
+_UNSERVED = ("attention_chunk_size", "alibi", "position_bias")
+
+
+def _options(key: RelayKV, sliding_window, kwargs) -> dict:
+    """``softcap`` / ``sinks`` / ``window`` for ``relay_attention``: the module's logit softcap (Gemma 2), its sinks
+    (gpt-oss hands them as ``s_aux``), and its sliding window where it can exclude a key of these buffers (a window
+    that holds every position changes nothing, and without it the Triton kernels serve the call)."""
+    sinks = kwargs.get("s_aux", kwargs.get("sinks"))
+    total = key.prefix.shape[-2] + key.suffix.shape[-2]
+    window = sliding_window if sliding_window is not None and total > sliding_window else None
+    return dict(softcap=kwargs.get("softcap"), sinks=sinks, window=window)
+
+
 def _check_relay_call(module, key: RelayKV, attention_mask, dropout: float, sliding_window, kwargs) -> None:
     """Refuse, by name, anything relay would compute differently from stock attention."""
     if dropout:
         raise ValueError("relay attention does not implement attention dropout; call model.eval()")
     if kwargs.get("is_causal") is False or not getattr(module, "is_causal", True):
         raise ValueError("relay attention is causal; this attention module is not")
-    for name in ("softcap", "s_aux", "sinks"):
-        if kwargs.get(name) is not None:
-            raise ValueError(f"relay attention does not support `{name}`; relay_hf.patch should have declined")
-    total = key.prefix.shape[-2] + key.suffix.shape[-2]
-    if sliding_window is not None and total > sliding_window:
-        raise ValueError(f"sliding window of {sliding_window} tokens would exclude prefix tokens at length {total}; "
-                         "relay attention is exact only while the whole sequence fits in the window")
+    unknown = sorted(k for k, v in kwargs.items() if v is not None and k in _UNSERVED)
+    if unknown:
+        raise ValueError(f"relay attention does not support `{unknown[0]}`; relay_hf.patch should have declined")
 
 
 def relay_attention_forward(module: torch.nn.Module, query: torch.Tensor, key, value, attention_mask,
@@ -152,7 +164,8 @@ def relay_attention_forward(module: torch.nn.Module, query: torch.Tensor, key, v
                          "sliding-window model): pass the RelayCache to a relay_hf.patch'ed model's generate, which "
                          "lays the rows out")
     out = relay_attention(query, key.prefix, value.prefix, key.suffix, value.suffix, scale=scaling,
-                          suffix_lengths=suffix_lengths, suffix_end=key.end)  # [B, H_q, L_q, D_v]
+                          suffix_lengths=suffix_lengths, suffix_end=key.end,
+                          **_options(key, sliding_window, kwargs))  # [B, H_q, L_q, D_v]
     return out.transpose(1, 2).contiguous(), None
 
 

@@ -23,18 +23,15 @@ _SUPPORTED_LAYER_TYPES = {"full_attention", "sliding_attention"}
 
 
 def unsupported_reason(model) -> str | None:
-    """Why relay cannot be exact for this model by its configuration (softcapping, sinks, ALiBi, exotic layers...),
-    or ``None``. ``patch`` also runs a probe forward (``probe.probe_reason``) for what a config cannot tell."""
+    """Why relay cannot be exact for this model by its configuration (ALiBi, chunked attention, exotic layers...),
+    or ``None``. Logit softcapping, attention sinks and sliding windows are served (``relay_attention``). ``patch``
+    also runs a probe forward (``probe.probe_reason``) for what a config cannot tell."""
     config = model.config
     text = config.get_text_config(decoder=True)
     if getattr(config, "is_encoder_decoder", False):
         return "encoder-decoder models are not supported"
-    if getattr(text, "attn_logit_softcapping", None) is not None:
-        return "attention logit softcapping is not implemented by relay attention"
     if getattr(text, "alibi", False) or getattr(text, "position_embedding_type", None) == "alibi":
         return "ALiBi position biases are not implemented by relay attention"
-    if any(hasattr(m, "sinks") for m in model.modules()):
-        return "attention sinks are not implemented by relay attention"
     if getattr(text, "attention_chunk_size", None) is not None:
         return "chunked attention is not implemented by relay attention"
     if not getattr(text, "is_causal", True):
@@ -44,6 +41,16 @@ def unsupported_reason(model) -> str | None:
     layer_types = set(getattr(text, "layer_types", None) or ["full_attention"])
     if not layer_types <= _SUPPORTED_LAYER_TYPES:
         return f"layer types {sorted(layer_types - _SUPPORTED_LAYER_TYPES)} are not supported by relay attention"
+    return None
+
+
+def reference_only(model) -> str | None:
+    """What of ``model``'s attention relay serves with its PyTorch reference only (the Triton kernels do not take
+    it yet), or ``None``: logit softcapping (Gemma 2), attention sinks (gpt-oss)."""
+    if getattr(model.config.get_text_config(decoder=True), "attn_logit_softcapping", None) is not None:
+        return "attention logit softcapping"
+    if any(hasattr(m, "sinks") for m in model.modules()):
+        return "attention sinks"
     return None
 
 
@@ -86,7 +93,7 @@ def patch(model, *, min_prefix_length: int = DEFAULT_MIN_PREFIX_LENGTH, decode: 
             A call that asks for a compiled decode (``cache_implementation="static"``, ``compile_config``) gets the
             compiled loop whatever the mode.
 
-    A model relay cannot serve exactly (softcapping, sinks, ALiBi, chunked or linear attention, an attention module
+    A model relay cannot serve exactly (ALiBi, chunked or linear attention, an attention module
     that does more than hand its KV to the attention function...) keeps its attention; a ``RelayFallbackWarning``
     says why and ``generate`` stays stock.
     """
@@ -116,7 +123,7 @@ def patch(model, *, min_prefix_length: int = DEFAULT_MIN_PREFIX_LENGTH, decode: 
     if reason is not None:
         warnings.warn(f"relay_hf: {reason}; {type(model).__name__} keeps stock attention", RelayFallbackWarning,
                       stacklevel=2)
-    model._relay_state = RelayState(original, min_prefix_length, reason, decode)
+    model._relay_state = RelayState(original, min_prefix_length, reason, decode, reference_only(model))
     model.relay_last_decision = None
     model.generate = RelayGenerate(model)
     return model

@@ -6,7 +6,8 @@ The rules, in the order they are checked:
 2. the call: a ``RelayCache`` or no cache, 2D integer ids, no feature that reads the prompt's token order or needs
    per-position outputs (those run stock: relay reorders each row's pads behind the shared prefix), left padding;
 3. the batch: a shared prefix long enough to pay (``relay_pays``; numbers in docs/performance.md), within the
-   position range and any sliding window;
+   position range; on CUDA, nothing only the PyTorch reference computes (softcap, sinks, a window shorter than the
+   sequence);
 4. the loop: relay_hf's decode loop (captured as CUDA graphs on CUDA; the default there, ``patch(model, decode=...)``
    chooses) where it reproduces stock token for token (``loop_reason``), else transformers' loop: on a static
    ``RelayCache`` when the call asks for one (``cache_implementation="static"``), else on a dynamic one.
@@ -352,13 +353,15 @@ def _decide(model, call: dict) -> Plan:
     if max_pos is not None and P > max_pos:
         raise _Stock(f"shared prefix of {P} tokens is longer than max_position_embeddings ({max_pos})", expected=True)
     window = _sliding_window(model.config)
-    if window is not None and T + n_new > window:
-        raise _Stock(f"sequence length {T + n_new} exceeds the sliding window {window}: the window would drop "
-                     "prefix tokens")
+    reference = model._relay_state.reference_only
+    if reference is None and window is not None and T + n_new > window:
+        reference = f"a sliding window ({window}) shorter than the sequence ({T + n_new})"
+    if reference is not None and model.device.type == "cuda":  # the reference's speed there is not relay's
+        raise _Stock(f"{reference} is computed by relay_hf's PyTorch reference only (its Triton kernels do not take "
+                     "it yet); stock attention is faster on CUDA")
     capacity = 0
-    if static:  # rounded up so similar calls reuse one captured step, never past a sliding window
+    if static:  # rounded up so similar calls reuse one captured step
         capacity = -(-(T + n_new - P) // STATIC_ROUNDING) * STATIC_ROUNDING
-        capacity = capacity if window is None else min(capacity, window - P)
     return Plan(True, "relay", rows=rows, prefix_length=P, static=static, fast_decode=fast,
                 loop_reason="relay_hf decode loop" if fast else loop_why, new_tokens=n_new, static_capacity=capacity,
                 static_rows=DEFAULT_DECODE.bucket(rows) if fast else rows, ids=ids, mask=mask, n_pad=n_pad,

@@ -22,7 +22,7 @@ def test_mask_without_a_relay_prefix_is_the_stock_mask():
     mask2d = torch.tensor([[0, 1, 1, 1], [1, 1, 1, 1]], dtype=torch.bool)
     kw = dict(batch_size=2, q_length=4, kv_length=4, attention_mask=mask2d)
     assert torch.equal(relay_mask(**kw), sdpa_mask(**kw))
-    sliding = dict(kw, kv_offset=1, kv_length=3, local_size=3)  # a sliding-window layer also reports an offset
+    sliding = dict(kw, local_size=3)  # a sliding-window layer without a relay prefix
     assert torch.equal(relay_mask(**sliding), sdpa_mask(**sliding))
     assert relay_mask(batch_size=2, q_length=1, kv_length=0, kv_offset=5) is None  # a static RelayCache
 
@@ -72,10 +72,34 @@ def test_relay_path_output_layout():
     assert out.shape == (2, 1, 4, 8) and weights is None
 
 
+def test_a_sliding_layer_of_a_relay_cache_gets_the_relay_mask():
+    mask2d = torch.tensor([[1, 1, 0, 1, 1], [1, 1, 1, 1, 1]], dtype=torch.bool)
+    out = relay_mask(batch_size=2, q_length=1, kv_length=3, kv_offset=2, attention_mask=mask2d, local_size=2)
+    assert isinstance(out, RelayMask) and out.suffix_lengths.tolist() == [2, 3]  # the window is applied in attention
+
+
+@pytest.mark.parametrize("kwargs", [dict(softcap=2.0), dict(s_aux=torch.tensor([0.5, -1.0, 2.0, 0.0])),
+                                    dict(sliding_window=3), dict(sliding_window=100)])
+def test_softcap_sinks_and_windows_reach_relay_attention(kwargs):
+    """The module's softcap, sinks (``s_aux``, as gpt-oss hands them) and window are what ``relay_attention``
+    computes with; a window that holds every position is no window."""
+    from relay_hf.kernels import relay_attention_torch
+
+    q, k, v = _inputs()
+    lengths = torch.tensor([3, 1])
+    out, _ = relay_attention_forward(_Module(), q, k, v, RelayMask(lengths), **kwargs)
+    window = kwargs.get("sliding_window")
+    ref = relay_attention_torch(q, k.prefix, v.prefix, k.suffix, v.suffix, suffix_lengths=lengths,
+                                softcap=kwargs.get("softcap"), sinks=kwargs.get("s_aux"),
+                                window=window if window is not None and window < 7 else None)
+    assert torch.equal(out, ref.transpose(1, 2).contiguous())
+    plain, _ = relay_attention_forward(_Module(), q, k, v, RelayMask(lengths))
+    assert torch.equal(out, plain) == (window == 100)
+
+
 @pytest.mark.parametrize("kwargs,match", [
     (dict(dropout=0.1), "dropout"),
-    (dict(softcap=30.0), "softcap"),
-    (dict(sliding_window=5), "sliding window"),
+    (dict(attention_chunk_size=4), "attention_chunk_size"),
 ])
 def test_refusals_name_the_problem(kwargs, match):
     q, k, v = _inputs()

@@ -61,16 +61,15 @@ def test_repetition_penalty_scores_equal_stock():
 
 
 def test_a_declined_model_given_a_relay_cache_runs_stock_and_keeps_its_attention():
-    from transformers import Gemma2Config, Gemma2ForCausalLM
+    from transformers import FalconConfig, FalconForCausalLM
 
-    config = Gemma2Config(vocab_size=VOCAB, hidden_size=64, intermediate_size=64, num_hidden_layers=2,
-                          num_attention_heads=4, num_key_value_heads=2, head_dim=16, pad_token_id=0,
-                          attn_implementation="eager")
+    config = FalconConfig(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, alibi=True,
+                          pad_token_id=0, attn_implementation="eager")
     torch.manual_seed(0)
-    model = Gemma2ForCausalLM(config).eval()
+    model = FalconForCausalLM(config).eval()
     ids, mask, prefix = shared_prefix_batch(seed=23)
     stock = model.generate(ids, attention_mask=mask, max_new_tokens=4, do_sample=False)
-    with pytest.warns(relay_hf.RelayFallbackWarning, match="softcapping"):
+    with pytest.warns(relay_hf.RelayFallbackWarning, match="ALiBi"):
         relay_hf.patch(model)
     cache = RelayCache.from_prefix(model, prefix)
     out = model.generate(ids, attention_mask=mask, max_new_tokens=4, do_sample=False, past_key_values=cache)
@@ -513,16 +512,13 @@ def test_batch_of_one_and_short_prefix_take_the_stock_path(caplog):
     assert not model.relay_last_decision.used and "min_prefix_length" in model.relay_last_decision.reason
 
 
-def test_sliding_window_reaching_into_the_prefix_falls_back_with_a_warning(caplog):
-    model = tiny_model("mistral", sliding_window=48)
+def test_sliding_window_reaching_into_the_prefix_uses_relay_with_the_window():
+    model = tiny_model("mistral", sliding_window=12)
     ids, mask, _ = shared_prefix_batch()
     stock = model.generate(ids, attention_mask=mask, max_new_tokens=6, do_sample=False)
     relay_hf.patch(model, min_prefix_length=8)
-    with caplog.at_level(logging.WARNING, logger="relay_hf"):
-        out = model.generate(ids, attention_mask=mask, max_new_tokens=6, do_sample=False)
-    assert any("sliding window" in r.getMessage() for r in caplog.records)
-    assert not model.relay_last_decision.used
-    assert torch.equal(out, stock)
+    out = model.generate(ids, attention_mask=mask, max_new_tokens=6, do_sample=False)
+    assert model.relay_last_decision.used and torch.equal(out, stock)
 
 
 def test_sliding_window_that_covers_everything_uses_relay():

@@ -1,0 +1,88 @@
+"""Model families whose attention relay computes with options: Gemma 2 (logit softcapping, sliding layers), Gemma 3
+(sliding and global layers), gpt-oss (attention sinks, sliding layers), Mistral and Qwen2 with sliding windows. Tiny
+random fp32 models whose window (8 tokens) is far shorter than the shared prefix (40): greedy generation is stock's
+token for token on transformers' loop and on relay_hf's loop."""
+
+import pytest
+import torch
+import transformers
+
+import relay_hf
+from tests.helpers import VOCAB, run_stock, shared_prefix_batch
+
+WINDOW = 8
+COMMON = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2,
+              head_dim=16, pad_token_id=0, bos_token_id=1, eos_token_id=2, max_position_embeddings=1024)
+FAMILIES = {
+    # a cap near the tiny model's score scale, so that capping changes its tokens (checked below)
+    "gemma2": ("Gemma2Config", dict(num_hidden_layers=2, sliding_window=WINDOW, attn_logit_softcapping=0.01,
+                                    attn_implementation="eager")),
+    "gemma3_text": ("Gemma3TextConfig", dict(num_hidden_layers=3, sliding_window=WINDOW, attn_implementation="eager",
+                                             layer_types=["sliding_attention", "sliding_attention",
+                                                          "full_attention"])),
+    "gpt_oss": ("GptOssConfig", dict(num_hidden_layers=2, sliding_window=WINDOW, num_local_experts=2,
+                                     num_experts_per_tok=1, attn_implementation="eager")),
+    "mistral": ("MistralConfig", dict(num_hidden_layers=2, sliding_window=WINDOW, attn_implementation="sdpa")),
+    "qwen2": ("Qwen2Config", dict(num_hidden_layers=2, use_sliding_window=True, sliding_window=WINDOW,
+                                  max_window_layers=1, attn_implementation="sdpa")),
+}
+
+
+def _model(family: str):
+    cls, kwargs = FAMILIES[family]
+    config = getattr(transformers, cls)(**{**COMMON, **kwargs})
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config).eval()
+    model.generation_config.pad_token_id = 0
+    return model
+
+
+@pytest.mark.parametrize("decode", ["auto", "graph"])
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_relay_gives_stock_tokens_with_a_window_shorter_than_the_prefix(family, decode):
+    model = _model(family)
+    ids, mask, _ = shared_prefix_batch(seed=31)
+    gen = dict(max_new_tokens=10, do_sample=False)
+    stock = run_stock(model, ids, mask, **gen)
+    relay_hf.patch(model, min_prefix_length=8, decode=decode)
+    assert model._relay_state.declined is None, model._relay_state.declined
+    out = model.generate(ids, attention_mask=mask, **gen)
+    decision = model.relay_last_decision
+    assert decision.used and decision.fast_decode == (decode == "graph"), decision
+    assert torch.equal(out, stock)
+
+
+def test_sampling_with_sinks_and_a_window_on_relay_hf_loop():
+    model = _model("gpt_oss")
+    ids, mask, _ = shared_prefix_batch(seed=32)
+    gen = dict(max_new_tokens=8, do_sample=True, top_k=20)
+    stock, draw = run_stock(model, ids, mask, seed=3, **gen), torch.rand(3)
+    relay_hf.patch(model, min_prefix_length=8, decode="graph")
+    torch.manual_seed(3)
+    out = model.generate(ids, attention_mask=mask, **gen)
+    assert model.relay_last_decision.fast_decode and torch.equal(out, stock) and torch.equal(torch.rand(3), draw)
+
+
+def test_what_only_the_reference_computes_is_recorded_at_patch_time():
+    assert relay_hf.patch(_model("gemma2"))._relay_state.reference_only == "attention logit softcapping"
+    assert relay_hf.patch(_model("gpt_oss"))._relay_state.reference_only == "attention sinks"
+    assert relay_hf.patch(_model("mistral"))._relay_state.reference_only is None  # a window is judged per call
+
+
+def test_the_options_change_what_stock_computes_here():
+    """Relay ignoring an option would show: stock's logits depend on each one at these sizes (the patch-time probe
+    compares logits, and the cases above assert it accepted the model)."""
+    ids, mask, _ = shared_prefix_batch(seed=31)
+    for family, attr, value in (("gemma2", "attn_logit_softcapping", None), ("mistral", "sliding_window", None),
+                                ("gpt_oss", "sinks", -1e4)):
+        model, plain = _model(family), _model(family)
+        for layer in plain.model.layers:
+            if attr == "sinks":
+                layer.self_attn.sinks.data.fill_(value)
+            else:
+                setattr(layer.self_attn, attr, value)
+                setattr(plain.config, attr, value)
+        with torch.no_grad():
+            a = model(ids, attention_mask=mask).logits[:, -1]
+            b = plain(ids, attention_mask=mask).logits[:, -1]
+        assert (a - b).abs().max() > 1e-3 * a.abs().max(), family

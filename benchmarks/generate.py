@@ -26,6 +26,10 @@ hooked inside relay_hf or transformers. Per (mode, S, B) point, in this order:
   least 2): both calls run the same decode loop, so its per-call setup cancels and only the N - M extra steps
   remain. ``tok_per_s`` = B / step; ``bandwidth`` (GB/s) = the weights plus the KV the mode reads in the middle
   step, over the step; ``peak_memory`` (GiB, CUDA) over the greedy calls.
+* ``streamed_step`` (ms): the same N-token call with a streamer that notes when each new token reaches it:
+  ``(last - first) / (N - 1)``, the steps alone, whatever the prefill costs (on the CPU a long prefill's spread
+  swamps the difference of two calls). relay_hf's loop hands tokens over 16 at a time on CUDA, so there it counts
+  whole chunks.
 * ``sample_step`` (ms): the same with ``do_sample=True, top_p=0.9, temperature=0.7`` (its first call, which may
   compile another loop, is ``sample_first_call``).
 * ``new_batch_first_call`` (s): then the first N-token call at another batch size (``--new-batch``, 3/4 of B).
@@ -41,6 +45,7 @@ from __future__ import annotations
 import argparse
 import copy
 import itertools
+import time
 from pathlib import Path
 
 import torch
@@ -68,22 +73,29 @@ SHAPES = {
                          num_key_value_heads=3, vocab_size=49152, rope_theta=100000.0, tie_word_embeddings=True),
     "tiny": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                  num_key_value_heads=2, vocab_size=256),
+    # Gemma 3 270M's shape: five sliding-window layers (512 tokens) to one global layer
+    "gemma3-270m": dict(config="Gemma3TextConfig", hidden_size=640, intermediate_size=2048, num_hidden_layers=18,
+                        num_attention_heads=4, num_key_value_heads=1, head_dim=256, vocab_size=262144,
+                        sliding_window=512, layer_types=(["sliding_attention"] * 5 + ["full_attention"]) * 3),
 }
 MODES = ("stock", "prefix_reuse", "static", "relay", "relay_eager", "relay_compiled")
 SAMPLING = dict(do_sample=True, top_p=0.9, temperature=0.7)
 
 
 def build_model(shape: str, device: torch.device, dtype: torch.dtype, max_positions: int):
-    """A random-init ``LlamaForCausalLM`` of ``SHAPES[shape]`` with no EOS token (calls never stop early)."""
-    from transformers import LlamaConfig, LlamaForCausalLM
+    """A random-init causal LM of ``SHAPES[shape]`` (a ``LlamaConfig`` unless the shape names its config class) with
+    no EOS token (calls never stop early)."""
+    import transformers
 
-    config = LlamaConfig(**SHAPES[shape], max_position_embeddings=max_positions, pad_token_id=0, bos_token_id=None,
-                         eos_token_id=None, attn_implementation="sdpa")
+    spec = dict(SHAPES[shape])
+    config = getattr(transformers, spec.pop("config", "LlamaConfig"))(
+        **spec, max_position_embeddings=max_positions, pad_token_id=0, bos_token_id=None, eos_token_id=None,
+        attn_implementation="sdpa")
     previous = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
         with torch.device(device):
-            model = LlamaForCausalLM(config).eval()
+            model = transformers.AutoModelForCausalLM.from_config(config).eval()
     finally:
         torch.set_default_dtype(previous)
     model.generation_config.pad_token_id = 0
@@ -170,6 +182,15 @@ def generate_point(model, mode: str, S: int, B: int, U: int, N: int, M: int, rep
         """ms per decode step of ``reps`` (M-token, N-token) call pairs."""
         return [(call(N, **extra) - call(M, **extra)) / (N - M) * 1e3 for _ in range(reps)]
 
+    def streamed() -> list[float]:
+        """ms per decode step as a streamer sees the tokens arrive, over ``reps`` N-token calls."""
+        out = []
+        for _ in range(reps):
+            clock = _Clock()
+            call(N, streamer=clock)
+            out.append((clock.times[-1] - clock.times[0]) / max(1, len(clock.times) - 1) * 1e3)
+        return out
+
     with torch.no_grad():
         add("cold_first_call", "s", dict(median=call(N), n=1), decision())
         call(1), call(M)  # warm-up: every call shape compiled and captured before the timed calls
@@ -180,6 +201,8 @@ def generate_point(model, mode: str, S: int, B: int, U: int, N: int, M: int, rep
         greedy = decision()
         relay_decision = getattr(model, "relay_last_decision", None)
         add("step", "ms", step, greedy)
+        if N > 1:
+            add("streamed_step", "ms", summary(streamed()), decision())
         rate = lambda ms: B / ms * 1e3 if ms > 0 else float("nan")  # noqa: E731 (noise can make a tiny step <= 0)
         add("tok_per_s", "tok/s", dict(median=rate(step["median"]), lo=rate(step["hi"]), hi=rate(step["lo"]),
                                        n=step["n"], spread_of=step["spread_of"]), greedy)
@@ -202,6 +225,22 @@ def generate_point(model, mode: str, S: int, B: int, U: int, N: int, M: int, rep
     return rows
 
 
+class _Clock:
+    """A streamer that notes when each generated token arrives (the prompt's put is not a token)."""
+
+    def __init__(self):
+        self.times, self.prompt = [], True
+
+    def put(self, value):
+        if self.prompt:
+            self.prompt = False
+            return
+        self.times.append(time.perf_counter())
+
+    def end(self):
+        pass
+
+
 def _attention_call(model, S: int, B: int, L_s: int):
     """One eager ``relay_attention`` call at the model's decode shape: ``[B, H_q, 1, D]`` queries over an S-token
     prefix and ``L_s`` suffix positions per row."""
@@ -219,14 +258,16 @@ def _line(rows: list[dict]) -> dict:
     get = {r["metric"]: r["median"] for r in rows}
     r0 = rows[0]
     step = next(r for r in rows if r["metric"] == "step")
-    line = dict(mode=r0["mode"], S=r0["S"], B=r0["B"], step_ms=get["step"], tok_per_s=get["tok_per_s"],
+    line = dict(mode=r0["mode"], S=r0["S"], B=r0["B"], step_ms=get["step"],
+                streamed_step_ms=get.get("streamed_step", float("nan")), tok_per_s=get["tok_per_s"],
                 GBps=get["bandwidth"], sample_step_ms=get.get("sample_step", float("nan")), ttft_s=get["ttft"],
                 peak_GiB=get.get("peak_memory", float("nan")), first_call_s=get["cold_first_call"],
                 new_batch_s=get.get("new_batch_first_call", float("nan")),
                 longer_prompt_s=get.get("longer_prompt_call", float("nan")), host_us=get.get("host", float("nan")),
                 relay=step["relay_used"],
                 loop=step["relay_loop"])
-    say(f"{line['mode']} S={line['S']} B={line['B']}: step {line['step_ms']:.2f} ms ({line['tok_per_s']:,.0f} tok/s, "
+    say(f"{line['mode']} S={line['S']} B={line['B']}: step {line['step_ms']:.2f} ms (streamed "
+        f"{line['streamed_step_ms']:.2f} ms; {line['tok_per_s']:,.0f} tok/s, "
         f"{line['GBps']:,.0f} GB/s), sampling step {line['sample_step_ms']:.2f} ms, first token "
         f"{line['ttft_s']:.3f} s, peak {line['peak_GiB']:.2f} GiB; first call {line['first_call_s']:.2f} s, at a "
         f"new batch size {line['new_batch_s']:.2f} s, with longer prompts {line['longer_prompt_s']:.2f} s; eager "

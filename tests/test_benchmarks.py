@@ -65,7 +65,7 @@ def test_generate_cpu_smoke_run_measures_every_column(tmp_path, one_thread):
     rows = common.read_rows(path)
     assert list(rows[0]) == common.GENERATE_FIELDS
     expected = {"cold_first_call", "ttft", "step", "tok_per_s", "bandwidth", "sample_first_call", "sample_step",
-                "new_batch_first_call", "longer_prompt_call"}
+                "new_batch_first_call", "longer_prompt_call", "streamed_step"}
     for mode in generate.MODES:
         got = {r["metric"]: r for r in rows if r["mode"] == mode}
         assert set(got) == expected, mode

@@ -149,6 +149,16 @@ def prefix_attention_torch(query: torch.Tensor, prefix_key: torch.Tensor, prefix
     if P == 0:
         return (torch.zeros(B, H_q, L_q, D_v, dtype=acc, device=query.device),
                 torch.full((B, H_q, L_q), float("-inf"), dtype=acc, device=query.device))
+    if prefix_start is not None and query.device.type == "cpu" and not torch.compiler.is_compiling():
+        # eager CPU: keep only the prefix positions some query can see (a window far shorter than the prefix reads
+        # a window's worth, not the whole prefix)
+        lo = min(int(prefix_start.min()), P) if prefix_start.numel() else 0
+        if lo > 0:
+            prefix_key, prefix_value, prefix_start, P = (prefix_key[:, :, lo:], prefix_value[:, :, lo:],
+                                                         prefix_start - lo, P - lo)
+        if P == 0:
+            return (torch.zeros(B, H_q, L_q, D_v, dtype=acc, device=query.device),
+                    torch.full((B, H_q, L_q), float("-inf"), dtype=acc, device=query.device))
     G = H_q // H_kv
     rows = query.view(B, H_kv, G, L_q, D).transpose(0, 1).reshape(H_kv, B * G * L_q, D).to(acc)  # [H_kv, N, D]
     # the fused op needs one head dim for K and V, and a non-empty one, and computes plain softmax attention

@@ -164,9 +164,11 @@ def _left_padding_tokenizer(tokenizer):
     return tokenizer
 
 
-# relay states patched by pipelines -> [state, pipelines alive on it]; the state is kept so its id stays unique
+# relay states patched by pipelines -> [state, pipelines alive on it]; the state is kept so its id stays unique.
+# Re-entrant: a pipeline's finalizer (``release``) can run from garbage collection inside ``_hold_patch`` itself
+# (patching allocates), on the same thread, and must not wait for the lock that thread holds.
 _HELD: dict[int, list] = {}
-_HELD_LOCK = threading.Lock()
+_HELD_LOCK = threading.RLock()
 
 
 def _hold_patch(model):

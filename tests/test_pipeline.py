@@ -273,3 +273,23 @@ def test_kv_bytes_count_held_storage_once():
     for i in range(n):
         fork.update(torch.randn(3, H, 2, D), torch.randn(3, H, 2, D), i)
     assert held_bytes(fork) - held_bytes(cache) >= 2 * n * 3 * H * 2 * D * 4
+
+
+def test_a_pipeline_let_go_of_during_another_patch_does_not_deadlock():
+    """A pipeline's finalizer may run from garbage collection while ``_hold_patch`` holds its lock on the same thread
+    (patching allocates); letting go must not wait for that lock."""
+    from tests.helpers import tiny_model
+
+    model = tiny_model("llama")
+    release = pipeline_module._hold_patch(model)
+    assert relay_hf.is_patched(model)
+
+    def collect_inside_the_lock():
+        with pipeline_module._HELD_LOCK:  # where _hold_patch runs patch()
+            release()
+
+    worker = threading.Thread(target=collect_inside_the_lock, daemon=True)
+    worker.start()
+    worker.join(timeout=10)
+    assert not worker.is_alive(), "letting go of a pipeline deadlocked on the pipelines' lock"
+    assert not relay_hf.is_patched(model)  # the last pipeline let go: the patch is undone

@@ -208,19 +208,19 @@ def test_a_model_patched_by_its_caller_stays_patched(smollm2, system):
 
 
 def test_no_cache_for_a_model_relay_cannot_serve(smollm2, system, monkeypatch):
-    """Gemma 2 (attention softcapping): the patch declines, the pipeline builds no RelayCache and answers as stock."""
+    """Falcon with ALiBi: the patch declines, the pipeline builds no RelayCache and answers as stock."""
     _, session_tokenizer = smollm2
-    config = transformers.Gemma2Config(vocab_size=len(session_tokenizer), hidden_size=64, intermediate_size=64,
-                                       num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-                                       pad_token_id=session_tokenizer.pad_token_id, attn_implementation="eager")
+    config = transformers.FalconConfig(vocab_size=len(session_tokenizer), hidden_size=64, num_hidden_layers=2,
+                                       num_attention_heads=4, alibi=True, pad_token_id=session_tokenizer.pad_token_id,
+                                       attn_implementation="eager")
     torch.manual_seed(0)
-    model = transformers.Gemma2ForCausalLM(config).eval()
+    model = transformers.FalconForCausalLM(config).eval()
     gen = dict(max_new_tokens=3, do_sample=False)
     stock = transformers.pipeline("text-generation", model=model, tokenizer=session_tokenizer)
     expected = stock(chats(system, QS[:2]), batch_size=2, **gen)
     built = []
     monkeypatch.setattr(pipeline_module.RelayCache, "from_prefix", staticmethod(lambda *a: built.append(a)))
-    with pytest.warns(relay_hf.RelayFallbackWarning, match="softcapping"):
+    with pytest.warns(relay_hf.RelayFallbackWarning, match="ALiBi"):
         pipe = relay_hf.pipeline(model=model, tokenizer=session_tokenizer, system_prompt=system)
     with pipe:
         assert pipe(QS[:2], batch_size=2, **gen) == expected

@@ -167,7 +167,7 @@ class _Rows:
         self.unfinished = torch.ones(R, dtype=torch.bool, device=device)  # [R]
         self.tokens = torch.zeros(R, capacity, dtype=torch.long, device=device)  # [R, capacity] made tokens
         self.seen = None if sampler.penalty is None else torch.zeros(R, vocab, dtype=torch.bool, device=device)
-        self.graph = None
+        self.graph = None  # the captured choice; False once capturing it failed (then it runs eagerly)
 
     def start(self, sampler: Sampler, rows_per_input: int) -> None:
         """Reset for a call whose sampler has this one's key. ``self.sampler`` stays the one the choice graph was
@@ -253,14 +253,15 @@ class _Stepper:
             with _capture_blas(self.decode.capture_blas, self.model.dtype if self.capture else None):
                 self._warm_or_capture()
         rows = self.real
-        if rows.graph is not None:
+        choose = lambda: _choose(self.logits[:rows.R], rows, self.tok)  # noqa: E731
+        if rows.graph is None and self.graph is not None:  # the forward is captured: its logits stay put
+            rows.graph = self._record(choose, "choice") or False  # recording replays it once
+            if rows.graph:
+                return
+        if rows.graph:
             rows.graph.replay()
-        elif self.graph is not None and self.capture:
-            rows.graph = self._record(lambda: _choose(self.logits[:rows.R], rows, self.tok), "choice")
-            if rows.graph is None:
-                _choose(self.logits[:rows.R], rows, self.tok)
         else:
-            _choose(self.logits[:rows.R], rows, self.tok)
+            choose()
 
     def _record(self, fn, what: str):
         """``fn`` captured as a graph and replayed once (nothing runs while recording, so a failure leaves the state
@@ -390,13 +391,14 @@ class _Finish:
 
     def __init__(self, prompt: torch.Tensor, sampler: Sampler, stop):
         self.prompt, self.sampler, self.stop = prompt, sampler, stop  # prompt [R, T] stock layout, on the CPU
+        self.eos = None if sampler.eos is None else sampler.eos[0].cpu()  # [E] int64
         self.at = torch.full((prompt.shape[0],), -1, dtype=torch.long)  # step at which each row finished
         self.tokens = torch.empty(prompt.shape[0], 0, dtype=torch.long)  # [R, checked] after fixes
 
     def add(self, new: torch.Tensor) -> torch.Tensor:
         """Check the steps ``new [R, n]`` (on the CPU); returns the rows newly finished by a stop string."""
         by_stop = torch.zeros(new.shape[0], dtype=torch.bool)
-        eos = None if self.sampler.eos is None else self.sampler.eos[0].cpu()
+        eos = self.eos
         for j in range(new.shape[1]):
             step = self.tokens.shape[1]
             done = self.at >= 0
@@ -426,8 +428,9 @@ def fast_generate(model, ids: torch.Tensor, mask: torch.Tensor, stock_ids: torch
     Args:
         ids, mask: ``[B, T]`` in relay layout (shared prefix first, then each row's pads, then its own tokens).
         stock_ids: ``[B, T]`` the same rows in stock layout (what stop strings read).
-        slot: a ``state.StaticSlot`` whose static ``RelayCache`` holds the prefix and has ``decode.bucket(R)`` rows,
-            ``R = B * rows_per_input`` (``num_return_sequences``).
+        slot: a ``state.StaticSlot`` whose static ``RelayCache`` holds the prefix and has at least
+            ``decode.bucket(R)`` rows, ``R = B * rows_per_input`` (``num_return_sequences``); the extra rows copy row
+            0 and are dropped.
         sampler: from ``loop_sampler``. ``stop``: a stop-string criterion (stock's, on stock-layout ids) or ``None``.
         n_new: tokens to make at most.
 

@@ -28,9 +28,9 @@ DATA = REPO / "benchmarks" / "data"
 RUN_FIELDS = ["timestamp", "commit", "torch", "transformers", "triton", "device"]
 # columns every row ends with: the value and its spread
 VALUE_FIELDS = ["median", "lo", "hi", "n", "spread_of"]
-KERNEL_FIELDS = [*RUN_FIELDS, "dtype", "H_q", "H_kv", "D", "L_s", "S", "B", "provider", "metric", "unit",
+KERNEL_FIELDS = [*RUN_FIELDS, "dtype", "H_q", "H_kv", "D", "L_s", "S", "B", "groups", "provider", "metric", "unit",
                  *VALUE_FIELDS, "note"]
-GENERATE_FIELDS = [*RUN_FIELDS, "model", "dtype", "S", "U", "B", "new_tokens", "mode", "metric", "unit",
+GENERATE_FIELDS = [*RUN_FIELDS, "model", "dtype", "S", "U", "B", "groups", "new_tokens", "mode", "metric", "unit",
                    *VALUE_FIELDS, "relay_used", "relay_loop", "note"]
 
 

@@ -4,10 +4,12 @@ SDPA runs over the prefix copied into every row, which is what stock transformer
 
     python -m benchmarks.kernel                                    # Llama-3-8B shapes, bf16, on the GPU
     python -m benchmarks.kernel --prefix-len 4096 16384 --batch 1 32 --tune
+    python -m benchmarks.kernel --prefix-len 4096 --batch 64 --groups 1 2 4 8   # several system prompts per batch
     python -m benchmarks.kernel --device cpu --dtype float32 --heads 4 2 --head-dim 16 --suffix-len 8 \\
         --prefix-len 64 --batch 2 --host-calls 30                  # the CPU smoke run (a few seconds)
 
-Per point (S prefix tokens, B rows, one query per row, L_s suffix tokens each) it prints and appends to
+Per point (S prefix tokens, B rows, one query per row, L_s suffix tokens each; with ``--groups g``, g system prompts of
+S tokens each, the rows split evenly between them) it prints and appends to
 benchmarks/data/kernel.csv (``--csv``):
 
 * ``time`` (µs per call) of ``relay`` (the Triton kernel on CUDA, the PyTorch reference elsewhere), ``sdpa``
@@ -34,6 +36,7 @@ from pathlib import Path
 import torch
 
 from relay_hf import relay_attention
+from relay_hf.kernels import PrefixGroups
 from relay_hf.kernels.reference import merge_partials
 
 from .common import (
@@ -71,11 +74,22 @@ VARIANTS = {
 TUNE_CASES = [(4096, 32), (16384, 32), (4096, 64), (4096, 128), (1024, 8)]
 
 
-def decode_inputs(S: int, B: int, H_q: int, H_kv: int, D: int, L_s: int, dtype: torch.dtype, device: torch.device):
-    """A decode step: ``q [B, H_q, 1, D]``, prefix K/V ``[1, H_kv, S, D]``, suffix K/V ``[B, H_kv, L_s, D]``."""
+def decode_inputs(S: int, B: int, H_q: int, H_kv: int, D: int, L_s: int, dtype: torch.dtype, device: torch.device,
+                  groups: int = 1):
+    """A decode step: ``q [B, H_q, 1, D]``, prefix K/V ``[1, H_kv, groups * S, D]`` (``groups`` system prompts of
+    ``S`` tokens, packed), suffix K/V ``[B, H_kv, L_s, D]``."""
     g = torch.Generator(device=device).manual_seed(S + B)
     rnd = lambda *shape: torch.randn(*shape, generator=g, device=device, dtype=dtype)  # noqa: E731
-    return rnd(B, H_q, 1, D), rnd(1, H_kv, S, D), rnd(1, H_kv, S, D), rnd(B, H_kv, L_s, D), rnd(B, H_kv, L_s, D)
+    return (rnd(B, H_q, 1, D), rnd(1, H_kv, groups * S, D), rnd(1, H_kv, groups * S, D), rnd(B, H_kv, L_s, D),
+            rnd(B, H_kv, L_s, D))
+
+
+def row_groups(S: int, B: int, groups: int) -> PrefixGroups | None:
+    """``groups`` prompts of ``S`` tokens, row ``b`` under prompt ``b * groups // B`` (sizes differ by at most one);
+    ``None`` for one prompt (the ungrouped call)."""
+    if groups == 1:
+        return None
+    return PrefixGroups([S] * groups, [(b * groups // B,) for b in range(B)])
 
 
 def naive_relay(q, pk, pv, sk, sv, scale):
@@ -104,13 +118,13 @@ def copy_bandwidth(device: torch.device, nbytes: int = 2 << 30) -> float:
     return 2 * nbytes / (ms * 1e-3)
 
 
-def _relay_fn(inputs, scale: float, config):
+def _relay_fn(inputs, scale: float, config, groups: PrefixGroups | None = None):
     """The relay call timed: the Triton kernel with ``config`` on CUDA, the public op elsewhere."""
     if config is None:
-        return lambda: relay_attention(*inputs, scale=scale)
+        return lambda: relay_attention(*inputs, scale=scale, prefix_groups=groups)
     from relay_hf.kernels.triton_relay import relay_attention_triton
 
-    return lambda: relay_attention_triton(*inputs, scale=scale, config=config)
+    return lambda: relay_attention_triton(*inputs, scale=scale, config=config, prefix_groups=groups)
 
 
 def tune(device: torch.device, H_q=32, H_kv=8, D=128, L_s=256, dtype=torch.bfloat16):
@@ -131,32 +145,40 @@ def tune(device: torch.device, H_q=32, H_kv=8, D=128, L_s=256, dtype=torch.bfloa
     return best, configs[best]
 
 
-def bytes_moved(B, H_q, H_kv, S, L_s, D, itemsize) -> tuple[int, int]:
-    """(bytes relay must move, bytes stock must move) for one decode step: relay reads the prefix K/V once and each
-    row's suffix; stock reads the prefix once per row. Both read q and write the output."""
+def bytes_moved(B, H_q, H_kv, S, L_s, D, itemsize, groups: int = 1) -> tuple[int, int]:
+    """(bytes relay must move, bytes stock must move) for one decode step: relay reads each of the ``groups``
+    prefixes' K/V once and each row's suffix; stock reads its prefix once per row. Both read q and write the
+    output."""
     qo = 2 * B * H_q * D * itemsize
-    relay = qo + 2 * H_kv * (S + B * L_s) * D * itemsize
+    relay = qo + 2 * H_kv * (groups * S + B * L_s) * D * itemsize
     stock = qo + 2 * B * H_kv * (S + L_s) * D * itemsize
     return relay, stock
 
 
-def kernel_point(S: int, B: int, args, device: torch.device, bw: float | None, config=None, note: str = ""):
-    """The CSV rows (without the run's fields) of one (S, B) point."""
+def kernel_point(S: int, B: int, args, device: torch.device, bw: float | None, config=None, note: str = "",
+                 groups: int = 1):
+    """The CSV rows (without the run's fields) of one (S, B, groups) point: ``groups`` system prompts of ``S``
+    tokens each, the ``B`` rows split evenly between them."""
     H_q, H_kv = args.heads
     D, L_s, dtype = args.head_dim, args.suffix_len, getattr(torch, args.dtype)
-    q, pk, pv, sk, sv = inputs = decode_inputs(S, B, H_q, H_kv, D, L_s, dtype, device)
+    q, pk, pv, sk, sv = inputs = decode_inputs(S, B, H_q, H_kv, D, L_s, dtype, device, groups)
+    layout = row_groups(S, B, groups)
     scale = D ** -0.5
-    k_full = torch.cat([pk.expand(B, -1, -1, -1), sk], 2)  # [B, H_kv, S + L_s, D]: the prefix copied per row
-    v_full = torch.cat([pv.expand(B, -1, -1, -1), sv], 2)
+    which = torch.arange(B, device=device) * groups // B  # each row's prompt
+    k_rows = pk.view(H_kv, groups, S, D).transpose(0, 1)[which]  # [B, H_kv, S, D]: each row's prompt, copied
+    v_rows = pv.view(H_kv, groups, S, D).transpose(0, 1)[which]
+    k_full = torch.cat([k_rows, sk], 2)  # [B, H_kv, S + L_s, D]: the prefix copied per row, as stock holds it
+    v_full = torch.cat([v_rows, sv], 2)
+    del k_rows, v_rows
     sdpa = lambda: torch.nn.functional.scaled_dot_product_attention(q, k_full, v_full, scale=scale,  # noqa: E731
                                                                     enable_gqa=True)
-    relay = _relay_fn(inputs, scale, config)
+    relay = _relay_fn(inputs, scale, config, layout)
     ref = sdpa().float()
     relerr = float((relay().float() - ref).norm() / ref.norm())
     providers = {"relay": relay, "sdpa": sdpa}
-    if device.type == "cuda" and dtype in (torch.float16, torch.bfloat16):
+    if device.type == "cuda" and dtype in (torch.float16, torch.bfloat16) and groups == 1:
         providers["naive"] = lambda: naive_relay(q, pk, pv, sk, sv, scale)
-    shape = dict(dtype=args.dtype, H_q=H_q, H_kv=H_kv, D=D, L_s=L_s, S=S, B=B, note=note)
+    shape = dict(dtype=args.dtype, H_q=H_q, H_kv=H_kv, D=D, L_s=L_s, S=S, B=B, groups=groups, note=note)
     row = lambda provider, metric, unit, values: dict(shape, provider=provider, metric=metric, unit=unit,  # noqa: E731
                                                       **values)
     single = lambda value: dict(median=value, n=1)  # noqa: E731
@@ -164,7 +186,7 @@ def kernel_point(S: int, B: int, args, device: torch.device, bw: float | None, c
     for name, fn in providers.items():
         times[name] = summary(device_us(fn, device, reps=args.reps))
         rows.append(row(name, "time", "us", times[name]))
-    relay_bytes, stock_bytes = bytes_moved(B, H_q, H_kv, S, L_s, D, dtype.itemsize)
+    relay_bytes, stock_bytes = bytes_moved(B, H_q, H_kv, S, L_s, D, dtype.itemsize, groups)
     if bw is not None:
         rows.append(row("floor_relay", "time", "us", single(relay_bytes / bw * 1e6)))
         rows.append(row("floor_stock", "time", "us", single(stock_bytes / bw * 1e6)))
@@ -182,12 +204,13 @@ def _line(rows: list[dict]) -> dict:
     """One printed line per point: the medians that matter, gpt-fast style."""
     get = {(r["provider"], r["metric"]): r["median"] for r in rows}
     relay, sdpa = get[("relay", "time")], get[("sdpa", "time")]
-    line = dict(S=rows[0]["S"], B=rows[0]["B"], relay_us=relay, sdpa_us=sdpa, speedup=sdpa / relay,
+    line = dict(S=rows[0]["S"], B=rows[0]["B"], groups=rows[0]["groups"], relay_us=relay, sdpa_us=sdpa,
+                speedup=sdpa / relay,
                 naive_us=get.get(("naive", "time"), float("nan")), GBps=get[("relay", "bandwidth")],
                 over_floor=relay / get.get(("floor_relay", "time"), float("nan")),
                 host_relay_us=get[("relay", "host")], host_sdpa_us=get[("sdpa", "host")],
                 peak_MiB=get.get(("relay", "peak_memory"), float("nan")), relerr=get[("relay", "relerr")])
-    say(f"S={line['S']} B={line['B']}: relay {relay:.1f} us ({line['GBps']:,.0f} GB/s, "
+    say(f"S={line['S']} B={line['B']} groups={line['groups']}: relay {relay:.1f} us ({line['GBps']:,.0f} GB/s, "
         f"{line['over_floor']:.2f}x floor), SDPA {sdpa:.1f} us ({line['speedup']:.2f}x), eager host "
         f"{line['host_relay_us']:.1f} us, peak +{line['peak_MiB']:.1f} MiB")
     return line
@@ -197,6 +220,8 @@ def main(argv=None) -> list[dict]:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.kernel", description=__doc__.splitlines()[0])
     parser.add_argument("--prefix-len", type=int, nargs="+", default=[512, 1024, 4096, 16384])
     parser.add_argument("--batch", type=int, nargs="+", default=[1, 8, 32, 128])
+    parser.add_argument("--groups", type=int, nargs="+", default=[1],
+                        help="system prompts per batch (each of --prefix-len tokens, the rows split evenly)")
     parser.add_argument("--heads", type=int, nargs=2, default=[32, 8], metavar=("H_Q", "H_KV"))
     parser.add_argument("--head-dim", type=int, default=128)
     parser.add_argument("--suffix-len", type=int, default=256, help="suffix tokens per row (L_s)")
@@ -224,8 +249,9 @@ def main(argv=None) -> list[dict]:
         name, config = tune(device, *args.heads, args.head_dim, args.suffix_len, getattr(torch, args.dtype))
         note = " ".join(filter(None, [args.note, f"tuned: {name}"]))
     lines = []
-    for S, B in progress(list(itertools.product(args.prefix_len, args.batch)), "kernel"):
-        point = kernel_point(S, B, args, device, bw, config, note)
+    grid = [(S, B, g) for S, B, g in itertools.product(args.prefix_len, args.batch, args.groups) if g <= B]
+    for S, B, groups in progress(grid, "kernel"):
+        point = kernel_point(S, B, args, device, bw, config, note, groups)
         rows += point
         lines.append(_line(point))
     print_table(lines, list(lines[0]))

@@ -116,7 +116,8 @@ def _options(key: RelayKV, sliding_window, kwargs) -> dict:
     (gpt-oss hands them as ``s_aux``), and its sliding window where it can exclude a key of these buffers (a window
     that holds every position changes nothing, and without it the Triton kernels serve the call)."""
     sinks = kwargs.get("s_aux", kwargs.get("sinks"))
-    total = key.prefix.shape[-2] + key.suffix.shape[-2]
+    prefix = key.prefix.shape[-2] if key.groups is None else key.groups.max_prefix_length
+    total = prefix + key.suffix.shape[-2]
     window = sliding_window if sliding_window is not None and total > sliding_window else None
     return dict(softcap=kwargs.get("softcap"), sinks=sinks, window=window)
 
@@ -139,8 +140,9 @@ def relay_attention_forward(module: torch.nn.Module, query: torch.Tensor, key, v
 
     Args:
         query: ``[B, H_q, L_q, D]``.
-        key, value: ``RelayKV(prefix [1, H_kv, P, D], suffix [B, H_kv, L_s, D])`` from a ``RelayCache``, or plain
-            ``[B, H_kv, L, D]`` tensors (then this is the model's own implementation).
+        key, value: ``RelayKV(prefix [1, H_kv, P, D], suffix [B, H_kv, L_s, D], ...)`` from a ``RelayCache`` (with
+            the ``PrefixGroups`` of several prefixes), or plain ``[B, H_kv, L, D]`` tensors (then this is the model's
+            own implementation).
         attention_mask: with a ``RelayCache`` that does not carry its rows' extents, a ``RelayMask`` or ``None``
             (ignored when it does); the own implementation's mask otherwise.
 
@@ -164,7 +166,7 @@ def relay_attention_forward(module: torch.nn.Module, query: torch.Tensor, key, v
                          "sliding-window model): pass the RelayCache to a relay_hf.patch'ed model's generate, which "
                          "lays the rows out")
     out = relay_attention(query, key.prefix, value.prefix, key.suffix, value.suffix, scale=scaling,
-                          suffix_lengths=suffix_lengths, suffix_end=key.end,
+                          suffix_lengths=suffix_lengths, suffix_end=key.end, prefix_groups=key.groups,
                           **_options(key, sliding_window, kwargs))  # [B, H_q, L_q, D_v]
     return out.transpose(1, 2).contiguous(), None
 

@@ -1,17 +1,20 @@
-"""What is stored: ONE copy of the shared prefix KV per layer, plus each row's own suffix KV.
+"""What is stored: ONE copy of each shared prefix's KV per layer, plus each row's own suffix KV.
 
 Layout per layer (``RelayLayer``)::
 
-    prefix_keys / prefix_values   [1, H_kv, P, D]    the system prompt, shared by every row, never expanded
-    keys / values (the suffix)    [B, H_kv, L_s, D]  per-row tokens after the prefix, left-padded
+    prefix_keys / prefix_values   [1, H_kv, P_packed, D]  the shared segments (a system prompt; several, and blocks
+                                                          under them, see ``prefix.PrefixTree``), each stored once
+    keys / values (the suffix)    [B, H_kv, L_s, D]       per-row tokens after the row's prefix, left-padded
 
-``get_seq_length() == P + L_s``, so generate's position ids and masks line up with a row that would have held the
-prefix itself. How ``update`` hands the two parts to attention depends on the model's attention implementation:
+With one prefix every row reads all of it; with several, a fork carries ``PrefixGroups`` (which segments each row
+reads). ``get_seq_length() == P + L_s`` (``P`` the longest row prefix), so generate's position ids and masks line
+up with the relay row layout (``prefix.RowLayout``). How ``update`` hands the parts to attention depends on the
+model's attention implementation:
 
-* ``"relay"`` (the model went through ``relay_hf.patch``): ``update`` returns ``RelayKV(prefix, suffix)`` pairs so the
-  relay attention function reads the prefix once per batch, and masks are sized over the suffix only
-  (``kv_offset = P``).
-* anything else: ``update`` returns the prefix expanded and concatenated to the suffix, so stock attention
+* ``"relay"`` (the model went through ``relay_hf.patch``): ``update`` returns ``RelayKV(prefix, suffix, ...)`` pairs so
+  the relay attention function reads each prefix once per batch, and masks are sized over the suffix only
+  (``kv_offset = P``; none at all where the cache carries its rows' extents).
+* anything else: ``update`` returns each row's prefix expanded and concatenated to the suffix, so stock attention
   computes the exact same thing (slower, never wrong).
 """
 
@@ -24,8 +27,12 @@ from transformers.cache_utils import Cache, CacheLayerMixin, DynamicCache
 from transformers.utils import is_torchdynamo_compiling
 
 from ._compat import attn_implementation, cache_kwarg_name
+from .kernels.groups import PrefixGroups
+from .prefix import PrefixTree
 
 ATTN_NAME = "relay"
+PREFIX_ROUNDING = 256  # a static cache of several prefixes holds their packed positions rounded up to this
+MIN_SEGMENT_CAPACITY = 4  # ... and plans its kernels for at least this many segments per level (a power of two)
 # The name a patched model runs under says which implementation it runs without a relay prefix, so a copied or
 # unpickled model keeps it. (No "flash" in these names: transformers treats such names as flash attention.)
 RELAY_NAMES = {"sdpa": ATTN_NAME, "eager": "relay_eager", "flash_attention_2": "relay_fa2",
@@ -43,14 +50,16 @@ class RelayKV(NamedTuple):
 
     A static cache also hands over where its preallocated suffix is filled, as device tensors (so a captured CUDA
     graph replays correctly): ``end`` (0-d int64, filled positions) and ``lengths`` (``[B]`` int32, valid positions
-    ending at ``end``: the left padding excluded). Both are ``None`` for the dynamic cache, whose suffix is exactly
-    the filled part and whose padding comes from the attention mask.
+    ending at ``end``: the left padding excluded). A dynamic cache whose rows were laid out by relay_hf hands over
+    ``lengths`` alone; otherwise both are ``None`` and the padding comes from the attention mask. ``groups``: which
+    packed prefix segments each row reads (``PrefixGroups``), or ``None``: every row reads all of ``prefix``.
     """
 
     prefix: torch.Tensor
     suffix: torch.Tensor
     lengths: torch.Tensor | None = None
     end: torch.Tensor | None = None
+    groups: PrefixGroups | None = None
 
 
 class RelayLayer(CacheLayerMixin):
@@ -69,16 +78,17 @@ class RelayLayer(CacheLayerMixin):
     MIN_CAPACITY = 16
 
     def __init__(self, prefix_keys: torch.Tensor | None = None, prefix_values: torch.Tensor | None = None,
-                 suffix_padding: torch.Tensor | None = None):
+                 suffix_padding: torch.Tensor | None = None, groups: PrefixGroups | None = None):
         self._kbuf = self._vbuf = None  # suffix buffers [B, H_kv, capacity, D]
         self._len = 0  # valid suffix positions in the buffers
         self._reserve = 0  # capacity to allocate on first append
         super().__init__()
-        self.prefix_keys = prefix_keys  # [1, H_kv, P, D] or None before the prefix is set
+        self.prefix_keys = prefix_keys  # [1, H_kv, P_packed, D] or None before the prefix is set
         self.prefix_values = prefix_values
         # [B] int: each row's left padding at the start of its suffix, when the caller laid the rows out (relay_hf's
         # generate does); then attention reads each row's extent from the cache, else from the attention mask
         self.suffix_padding = suffix_padding
+        self.groups = groups  # which packed segments each row reads; None: every row reads the whole prefix
 
     @property
     def keys(self) -> torch.Tensor | None:
@@ -103,11 +113,29 @@ class RelayLayer(CacheLayerMixin):
 
     @property
     def prefix_length(self) -> int:
+        """Prefix columns of the rows: the longest row prefix (the packed prefix itself without groups)."""
+        if self.groups is not None:
+            return self.groups.max_prefix_length
         return 0 if self.prefix_keys is None else self.prefix_keys.shape[-2]
 
     @property
     def suffix_length(self) -> int:
         return self._len
+
+    def _row_lengths(self, device: torch.device) -> torch.Tensor | None:
+        """``[B]`` int32 valid suffix positions of each row, when the rows' layout is known."""
+        if self.suffix_padding is None:
+            return None
+        self.suffix_padding = self.suffix_padding.to(device=device, dtype=torch.int32)
+        return self._len - self.suffix_padding
+
+    def _expanded_prefix(self, B: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each row's prefix as stock attention needs it, ``[B, H_kv, P, D]``: the one prefix expanded, or each row's
+        segments gathered into its first columns (the rest is masked in the relay row layout)."""
+        if self.groups is None:
+            return self.prefix_keys.expand(B, -1, -1, -1), self.prefix_values.expand(B, -1, -1, -1)
+        index = self.groups.gather_index().to(self.prefix_keys.device)  # [B, P]
+        return (self.prefix_keys[0][:, index].transpose(0, 1), self.prefix_values[0][:, index].transpose(0, 1))
 
     def reserve(self, tokens: int) -> None:
         """Size the suffix buffers for ``tokens`` positions at their first allocation (e.g. prompt + max_new)."""
@@ -147,21 +175,19 @@ class RelayLayer(CacheLayerMixin):
         if self.prefix_keys is None:
             return self.keys, self.values
         if relay:
-            lengths = None
-            if self.suffix_padding is not None:  # [B] int32 valid suffix positions of each row
-                self.suffix_padding = self.suffix_padding.to(device=key_states.device, dtype=torch.int32)
-                lengths = self._len - self.suffix_padding
-            return (RelayKV(self.prefix_keys, self.keys, lengths), RelayKV(self.prefix_values, self.values, lengths))
-        B = self.keys.shape[0]
-        keys = torch.cat([self.prefix_keys.expand(B, -1, -1, -1), self.keys], dim=-2)
-        values = torch.cat([self.prefix_values.expand(B, -1, -1, -1), self.values], dim=-2)
-        return keys, values
+            lengths = self._row_lengths(key_states.device)
+            return (RelayKV(self.prefix_keys, self.keys, lengths, None, self.groups),
+                    RelayKV(self.prefix_values, self.values, lengths, None, self.groups))
+        prefix_keys, prefix_values = self._expanded_prefix(self.keys.shape[0])
+        return torch.cat([prefix_keys, self.keys], dim=-2), torch.cat([prefix_values, self.values], dim=-2)
 
     def get_seq_length(self) -> int:
         return self.prefix_length + self.suffix_length
 
     def get_mask_sizes(self, query_length: int, relay: bool = False) -> tuple[int, int]:
         if relay and self.prefix_keys is not None:
+            if self.groups is not None:  # its keys carry every row's extent (fork requires the layout): no mask
+                return 0, self.prefix_length
             return self.suffix_length + query_length, self.prefix_length
         return self.get_seq_length() + query_length, 0
 
@@ -179,6 +205,8 @@ class RelayLayer(CacheLayerMixin):
             self._vbuf = self._vbuf.index_select(0, beam_idx.to(self._vbuf.device))
         if self.suffix_padding is not None:
             self.suffix_padding = self.suffix_padding.index_select(0, beam_idx.to(self.suffix_padding.device))
+        if self.groups is not None:
+            self.groups = self.groups.select(beam_idx.tolist())
 
     def crop(self, tokens_to_remove: int) -> None:
         if tokens_to_remove > 0:
@@ -194,12 +222,16 @@ class RelayLayer(CacheLayerMixin):
             self._vbuf = self._vbuf.repeat_interleave(repeats, dim=0)
         if self.suffix_padding is not None:
             self.suffix_padding = self.suffix_padding.repeat_interleave(repeats)
+        if self.groups is not None:
+            self.groups = self.groups.select([b for b in range(self.groups.rows) for _ in range(repeats)])
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:
         if self.suffix_length:
             self._kbuf, self._vbuf = self._kbuf[indices, ...], self._vbuf[indices, ...]
         if self.suffix_padding is not None:
             self.suffix_padding = self.suffix_padding[indices.to(self.suffix_padding.device)]
+        if self.groups is not None:
+            self.groups = self.groups.select(torch.arange(self.groups.rows)[indices.cpu()].tolist())
 
 
 class StaticRelayLayer(RelayLayer):
@@ -215,8 +247,8 @@ class StaticRelayLayer(RelayLayer):
     is_croppable = False
 
     def __init__(self, prefix_keys: torch.Tensor, prefix_values: torch.Tensor, max_suffix_length: int,
-                 suffix_padding: torch.Tensor | None = None):
-        super().__init__(prefix_keys, prefix_values)
+                 suffix_padding: torch.Tensor | None = None, groups: PrefixGroups | None = None):
+        super().__init__(prefix_keys, prefix_values, groups=groups)
         self.max_suffix_length = max_suffix_length
         self.suffix_padding = suffix_padding
         self._end = self._lengths = None  # 0-d int64 filled positions; [B] int32 valid positions ending there
@@ -270,8 +302,8 @@ class StaticRelayLayer(RelayLayer):
         self._vbuf.index_copy_(2, pos, value_states)
         self._end.add_(n)
         self._lengths.add_(n)
-        return (RelayKV(self.prefix_keys, self._kbuf, self._lengths, self._end),
-                RelayKV(self.prefix_values, self._vbuf, self._lengths, self._end))
+        return (RelayKV(self.prefix_keys, self._kbuf, self._lengths, self._end, self.groups),
+                RelayKV(self.prefix_values, self._vbuf, self._lengths, self._end, self.groups))
 
     def get_seq_length(self):
         return self.prefix_length if self._end is None else self._end + self.prefix_length  # a tensor: no host sync
@@ -312,19 +344,22 @@ class StaticRelayLayer(RelayLayer):
 
 
 class RelayCache(Cache):
-    """A transformers ``Cache`` that stores the shared prefix ONCE per layer and a suffix per row.
+    """A transformers ``Cache`` that stores each shared prefix ONCE per layer and a suffix per row.
 
-    Build one with ``RelayCache.from_prefix(model, prefix_ids)`` (prefills the prefix at batch 1) and pass it to a
-    patched model's ``generate`` as ``past_key_values=`` (or ``cache=`` on transformers >= 5.24) as often as you
-    like: every call works on its own ``fork()``, so the cache you hold is never mutated.
+    Build one with ``RelayCache.from_prefix(model, prefix_ids)`` (prefills the prefix at batch 1), or with
+    ``RelayCache.from_prefixes(model, [ids, ...])`` for several (system prompts; a prompt followed by documents that
+    some of its rows share), and pass it to a patched model's ``generate`` as ``past_key_values=`` (or ``cache=`` on
+    transformers >= 5.24) as often as you like: every call works on its own ``fork()``, so the cache you hold is never
+    mutated, and each row reads the longest of its prefixes that the row starts with.
 
     Attributes:
-        prefix_ids: ``[P]`` int64 token ids of the prefix, or ``None`` when built from raw KV.
-        prefix_length: ``P``.
+        tree: the stored segments (``prefix.PrefixTree``), or ``None`` when built from raw KV.
+        prefix_ids: ``[P]`` int64 token ids of the prefix when there is exactly one, else ``None``.
+        prefix_length: ``P``: the prefix's tokens, or on a fork of several prefixes the longest a row reads.
     """
 
     def __init__(self, config, prefix_kv: list[tuple[torch.Tensor, torch.Tensor]] | None = None,
-                 prefix_ids: torch.Tensor | None = None):
+                 prefix_ids: torch.Tensor | None = None, tree: PrefixTree | None = None):
         text_config = config.get_text_config(decoder=True)
         n_layers = text_config.num_hidden_layers
         if prefix_kv is not None and len(prefix_kv) != n_layers:
@@ -332,7 +367,16 @@ class RelayCache(Cache):
         prefix_kv = prefix_kv or [(None, None)] * n_layers
         super().__init__(layers=[RelayLayer(k, v) for k, v in prefix_kv])
         self.config = config
-        self.prefix_ids = prefix_ids
+        if tree is None and prefix_ids is not None:
+            tree = PrefixTree((torch.as_tensor(prefix_ids).reshape(-1).to("cpu", torch.int64),), (-1,))
+        self.tree = tree
+        self._tables = None  # a static cache's kernel tables for several prefixes (``_pin``)
+
+    @property
+    def prefix_ids(self) -> torch.Tensor | None:
+        if self.tree is None or len(self.tree.ids) != 1:
+            return None
+        return self.tree.ids[0].to(self.prefix_device) if self.prefix_device is not None else self.tree.ids[0]
 
     # -- construction ----------------------------------------------------------------------------------------------
     @classmethod
@@ -344,31 +388,87 @@ class RelayCache(Cache):
             model: a causal LM (patched or not).
             prefix_ids: ``[P]`` or ``[1, P]`` int token ids (tensor or list), ``1 <= P <= max_position_embeddings``.
         """
-        ids = torch.as_tensor(prefix_ids)
-        if ids.dtype.is_floating_point or ids.dtype == torch.bool:
-            raise ValueError(f"prefix_ids must be integer token ids, got dtype {ids.dtype}")
-        if ids.dim() == 2 and ids.shape[0] == 1:
-            ids = ids[0]
-        if ids.dim() != 1 or ids.numel() == 0:
-            raise ValueError(f"prefix_ids must be a non-empty [P] or [1, P] sequence, got shape {tuple(ids.shape)}")
+        return cls.from_prefixes(model, [_prefix_ids(prefix_ids, "prefix_ids")])
+
+    @classmethod
+    @torch.no_grad()
+    def from_prefixes(cls, model, prefixes) -> RelayCache:
+        """Prefill several prefixes once each and keep them, every shared part stored once.
+
+        Args:
+            model: a causal LM (patched or not).
+            prefixes: a list of ``[P]`` integer token id sequences (tensors or lists), distinct and non-empty. A
+                prefix that starts with another given one is stored as its continuation (``[system, system +
+                document_a, system + document_b]`` keeps the system prompt once and two documents under it).
+        """
+        if isinstance(prefixes, torch.Tensor) or not prefixes:
+            raise ValueError("prefixes must be a non-empty list of token id sequences")
+        tree = PrefixTree.from_prefixes([_prefix_ids(p, f"prefixes[{i}]") for i, p in enumerate(prefixes)])
+        return cls.from_tree(model, tree)
+
+    @classmethod
+    @torch.no_grad()
+    def from_tree(cls, model, tree: PrefixTree) -> RelayCache:
+        """Prefill the segments of ``tree`` (roots at position 0, each child after its parent's KV) at batch 1 and
+        pack them."""
         text_config = model.config.get_text_config(decoder=True)
         max_pos = getattr(text_config, "max_position_embeddings", None)
-        if max_pos is not None and ids.numel() > max_pos:
-            raise ValueError(f"prefix of {ids.numel()} tokens is longer than the model's max_position_embeddings "
+        longest = max(tree.full_ids(j).numel() for j in range(len(tree.ids)))
+        if max_pos is not None and longest > max_pos:
+            raise ValueError(f"prefix of {longest} tokens is longer than the model's max_position_embeddings "
                              f"({max_pos})")
-        ids = ids.to(model.device)
-        scratch = DynamicCache()  # no config: plain full layers, nothing windowed away
-        model.base_model(input_ids=ids[None], use_cache=True, **{cache_kwarg_name(model): scratch})
-        kv = [(layer.keys, layer.values) for layer in scratch.layers]
-        return cls(model.config, kv, prefix_ids=ids)
+        name = cache_kwarg_name(model)
+        done: dict[int, DynamicCache] = {}
+        for j in sorted(range(len(tree.ids)), key=lambda j: len(tree.path(j))):  # parents first
+            scratch = DynamicCache()  # no config: plain full layers, nothing windowed away
+            parent = tree.parents[j]
+            if parent >= 0:  # continue after the parent's keys (copied in: the parent's own tensors stay as they are)
+                for i, (k, v) in enumerate(_kv(done[parent])):
+                    scratch.update(k, v, i)
+            model.base_model(input_ids=tree.ids[j][None].to(model.device), use_cache=True, **{name: scratch})
+            done[j] = scratch
+        own = []
+        for j in range(len(tree.ids)):
+            start = tree.starts()[j]
+            own.append([(k[:, :, start:], v[:, :, start:]) for k, v in _kv(done[j])])
+        kv = own[0] if len(own) == 1 else [(torch.cat([o[i][0] for o in own], 2), torch.cat([o[i][1] for o in own], 2))
+                                           for i in range(len(own[0]))]
+        return cls(model.config, kv, tree=tree)
+
+    @classmethod
+    def combine(cls, caches) -> RelayCache:
+        """One cache holding the prefixes of several (of one model; packed, so their KV is copied once): how a
+        pipeline serves a batch under several system prompts it prefilled in earlier calls."""
+        caches = list(caches)
+        if not caches or any(not isinstance(c, RelayCache) or c.tree is None for c in caches):
+            raise ValueError("combine takes RelayCaches built with from_prefix / from_prefixes")
+        if len(caches) == 1:
+            return caches[0]
+        ids, parents = [], []
+        for c in caches:
+            parents += [p + len(ids) if p >= 0 else -1 for p in c.tree.parents]
+            ids += list(c.tree.ids)
+        kv = [(torch.cat([c.layers[i].prefix_keys for c in caches], 2),
+               torch.cat([c.layers[i].prefix_values for c in caches], 2)) for i in range(len(caches[0].layers))]
+        return cls(caches[0].config, kv, tree=PrefixTree(tuple(ids), tuple(parents)))
 
     def reserve(self, tokens: int) -> None:
         """Size every layer's suffix buffers for ``tokens`` positions when they are first allocated."""
         for layer in self.layers:
             layer.reserve(tokens)
 
-    def fork(self, *, max_suffix_length: int | None = None, suffix_padding: torch.Tensor | None = None
-             ) -> RelayCache:
+    def groups_for(self, paths, capacity: int | None = None) -> PrefixGroups | None:
+        """The ``PrefixGroups`` of rows reading these segment paths, or ``None`` when every row reads the one
+        prefix (the ungrouped call)."""
+        paths = [tuple(p) for p in paths]
+        if self.tree is not None and len(self.tree.ids) == 1 and all(p == (0,) for p in paths):
+            return None
+        if self.tree is None:
+            raise ValueError("a RelayCache built from raw KV holds one prefix: fork it without paths")
+        return PrefixGroups(self.tree.lengths, paths, capacity)
+
+    def fork(self, *, max_suffix_length: int | None = None, suffix_padding: torch.Tensor | None = None,
+             paths=None) -> RelayCache:
         """A new cache sharing this one's prefix tensors (no copy) with an empty suffix.
 
         Args:
@@ -378,39 +478,104 @@ class RelayCache(Cache):
             suffix_padding: ``[B]`` int, each row's left padding at the start of its suffix (the rows' layout, as
                 relay_hf's generate makes it). Without it a dynamic fork reads the rows' extents from the attention
                 mask.
+            paths: per row, the segments of ``tree`` it reads, root first (``PrefixTree.match`` finds them);
+                required when the cache holds several prefixes (and then ``suffix_padding`` too).
         """
-        fork = type(self)(self.config, [(lay.prefix_keys, lay.prefix_values) for lay in self.layers], self.prefix_ids)
+        groups = None
+        if paths is not None:
+            groups = self.groups_for(paths)
+        elif self.tree is not None and len(self.tree.ids) > 1:
+            raise ValueError(f"this RelayCache holds {len(self.tree.ids)} prefixes: fork(paths=...) says which each "
+                             "row reads")
+        if groups is not None and suffix_padding is None:
+            raise ValueError("a fork of several prefixes needs suffix_padding (the rows' layout)")
+        fork = type(self)(self.config, [(lay.prefix_keys, lay.prefix_values) for lay in self.layers], tree=self.tree)
         for lay in fork.layers:
-            lay.suffix_padding = suffix_padding
+            lay.suffix_padding, lay.groups = suffix_padding, groups
         if max_suffix_length is not None:
-            if self.prefix_length == 0:
+            if self.layers[0].prefix_keys is None or self.prefix_length == 0:
                 raise ValueError("a static RelayCache needs a prefix; build it with RelayCache.from_prefix")
-            # the static fork owns its prefix (a copy), so ``refill`` can overwrite it in place for the next call
-            fork.layers = [StaticRelayLayer(lay.prefix_keys.clone(), lay.prefix_values.clone(), max_suffix_length,
-                                            suffix_padding) for lay in self.layers]
+            # the static fork owns its prefix (a copy), so ``refill`` can overwrite it in place for the next call;
+            # several prefixes are held with room to spare, so the next call's may differ a little
+            fork.layers = [StaticRelayLayer(*self._static_prefix(lay, groups), max_suffix_length, suffix_padding)
+                           for lay in self.layers]
+            fork._set_groups(None if groups is None else self.groups_for(paths, _segment_capacity(groups)))
         return fork
 
-    def can_refill(self, base: RelayCache, rows: int, max_suffix_length: int, max_rows: int | None = None) -> bool:
+    @staticmethod
+    def _static_prefix(layer: RelayLayer, groups: PrefixGroups | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """A static cache's own prefix buffers: a copy, with rounded-up room when it holds several prefixes."""
+        if groups is None:
+            return layer.prefix_keys.clone(), layer.prefix_values.clone()
+        P = layer.prefix_keys.shape[2]
+        room = -(-max(P, 1) // PREFIX_ROUNDING) * PREFIX_ROUNDING
+        out = []
+        for t in (layer.prefix_keys, layer.prefix_values):
+            buf = t.new_zeros(1, t.shape[1], room, t.shape[3])
+            buf[:, :, :P] = t
+            out.append(buf)
+        return out[0], out[1]
+
+    def _set_groups(self, groups: PrefixGroups | None) -> None:
+        """Hand every layer ``groups``; a static cache on CUDA also writes their kernel tables into its own buffers
+        (``_pin``), in place, so the decode step captured on them replays with this call's layout."""
+        for lay in self.layers:
+            lay.groups = groups
+        if groups is not None and self.is_static and self.prefix_device.type == "cuda":
+            self._pin(groups)
+
+    def _pin(self, groups: PrefixGroups) -> None:
+        from .kernels import triton_serves
+        from .kernels.triton_relay import _ACTIVE_CONFIG, grouped_launch_shape, triton_available
+
+        lay = self.layers[0]
+        H_kv, D = lay.prefix_keys.shape[1], lay.prefix_keys.shape[3]
+        if not triton_available() or not triton_serves(lay.prefix_keys.dtype, D, lay.prefix_values.shape[3], None):
+            return
+        rows = lay.suffix_padding.shape[0]
+        G = self.config.get_text_config(decoder=True).num_attention_heads // H_kv
+        block_m, items = grouped_launch_shape(rows * G, D, groups, _ACTIVE_CONFIG.get())
+        shapes = ((items, 7), (groups.depth * rows,), (rows,))
+        if self._tables is None or tuple(t.shape for t in self._tables) != shapes:
+            self._tables = tuple(torch.zeros(s, dtype=torch.int32, device=self.prefix_device) for s in shapes)
+        groups.pin(self.prefix_device, block_m, G, items, self._tables)
+
+    def can_refill(self, base: RelayCache, rows: int, max_suffix_length: int, max_rows: int | None = None,
+                   paths=None) -> bool:
         """Whether this static cache can serve ``base``'s prefix for ``rows`` rows (up to ``max_rows`` rows of buffers:
         relay_hf's loop runs extra rows; ``None``: exactly ``rows``) and ``max_suffix_length`` suffix positions (or
-        more, up to twice that) without new buffers."""
+        more, up to twice that) without new buffers; with several prefixes, rows reading ``paths`` (as many levels,
+        at most the planned segments per level, packed within the room held)."""
         mine, theirs = self.layers[0], base.layers[0]
-        held = mine._kbuf.shape[0] if mine.is_initialized else -1
-        return (self.is_static and mine.is_initialized and rows <= held <= (max_rows or rows)
+        if not (self.is_static and mine.is_initialized and rows <= mine._kbuf.shape[0] <= (max_rows or rows)
                 and max_suffix_length <= mine.max_suffix_length <= 2 * max_suffix_length
-                and mine.prefix_keys.shape == theirs.prefix_keys.shape
                 and mine.prefix_keys.dtype == theirs.prefix_keys.dtype
-                and mine.prefix_keys.device == theirs.prefix_keys.device)
+                and mine.prefix_keys.device == theirs.prefix_keys.device
+                and mine.prefix_keys.shape[:2] == theirs.prefix_keys.shape[:2]):
+            return False
+        groups = None if paths is None else base.groups_for(paths)
+        if (groups is None) != (mine.groups is None):
+            return False
+        if groups is None:
+            return mine.prefix_keys.shape == theirs.prefix_keys.shape
+        held = mine.prefix_keys.shape[2]
+        return (groups.depth == mine.groups.depth and groups.segments_per_level <= mine.groups.segments_per_level
+                and theirs.prefix_keys.shape[2] <= held <= 2 * theirs.prefix_keys.shape[2] + PREFIX_ROUNDING)
 
-    def refill(self, base: RelayCache, suffix_padding: torch.Tensor) -> None:
+    def refill(self, base: RelayCache, suffix_padding: torch.Tensor, paths=None) -> None:
         """Reuse this static cache for ``base``'s prefix and new rows: every buffer keeps its address, so the CUDA
-        graphs transformers captured for the previous call replay instead of being recorded again."""
+        graphs captured for the previous call replay instead of being recorded again."""
+        groups = None
+        if paths is not None:
+            groups = base.groups_for(paths, self.layers[0].groups and self.layers[0].groups.segments_per_level)
         for lay, src in zip(self.layers, base.layers):
-            lay.prefix_keys.copy_(src.prefix_keys)
-            lay.prefix_values.copy_(src.prefix_values)
+            P = src.prefix_keys.shape[2]
+            lay.prefix_keys[:, :, :P].copy_(src.prefix_keys)
+            lay.prefix_values[:, :, :P].copy_(src.prefix_values)
             lay.suffix_padding = suffix_padding
             lay.reset()
-        self.prefix_ids = base.prefix_ids
+        self.tree = base.tree
+        self._set_groups(groups)
 
     @property
     def is_static(self) -> bool:
@@ -419,7 +584,14 @@ class RelayCache(Cache):
     # -- state -----------------------------------------------------------------------------------------------------
     @property
     def prefix_length(self) -> int:
+        if self.layers and self.layers[0].groups is None and self.tree is not None and len(self.tree.ids) > 1:
+            return max(self.tree.full_ids(j).numel() for j in range(len(self.tree.ids)))
         return self.layers[0].prefix_length if self.layers else 0
+
+    @property
+    def groups(self) -> PrefixGroups | None:
+        """Which segments each row of this fork reads (``None``: every row reads the one prefix)."""
+        return self.layers[0].groups if self.layers else None
 
     @property
     def relay_active(self) -> bool:
@@ -454,5 +626,28 @@ class RelayCache(Cache):
         return self.get_seq_length(layer_idx)
 
     def __repr__(self) -> str:
-        return (f"RelayCache(layers={len(self.layers)}, prefix_length={self.prefix_length}, "
+        segments = "" if self.tree is None or len(self.tree.ids) == 1 else f", segments={len(self.tree.ids)}"
+        return (f"RelayCache(layers={len(self.layers)}, prefix_length={self.prefix_length}{segments}, "
                 f"suffix_length={self.layers[0].suffix_length if self.layers else 0})")
+
+
+def _prefix_ids(ids, name: str) -> torch.Tensor:
+    """``[P]`` integer token ids from a tensor or list (``[1, P]`` accepted), else ``ValueError`` naming ``name``."""
+    ids = torch.as_tensor(ids)
+    if ids.dtype.is_floating_point or ids.dtype == torch.bool:
+        raise ValueError(f"{name} must be integer token ids, got dtype {ids.dtype}")
+    if ids.dim() == 2 and ids.shape[0] == 1:
+        ids = ids[0]
+    if ids.dim() != 1 or ids.numel() == 0:
+        raise ValueError(f"{name} must be a non-empty [P] or [1, P] sequence, got shape {tuple(ids.shape)}")
+    return ids
+
+
+def _kv(cache: DynamicCache) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    return [(layer.keys, layer.values) for layer in cache.layers]
+
+
+def _segment_capacity(groups: PrefixGroups) -> int:
+    """Segments per level a static cache plans for: this layout's, rounded up to a power of two, at least
+    ``MIN_SEGMENT_CAPACITY``, so later calls with a few more prompts replay the same capture."""
+    return max(MIN_SEGMENT_CAPACITY, 1 << (groups.segments_per_level - 1).bit_length())

@@ -3,10 +3,10 @@
 Per call: ``policy.decide`` plans relay or stock. Stock runs the class's own ``generate`` with the caller's arguments
 (a ``RelayCache`` argument removed, so stock never sees a cache in a layout it cannot use). Relay:
 
-1. prefills the shared prefix once at batch 1 into a ``RelayCache`` (or forks the caller's, which is never mutated),
-2. permutes each row to ``[prefix | pads | suffix]`` (``prefix.py``) and runs stock ``generate`` on that, so only the
-   suffixes are prefilled and every decode step reads the prefix once per batch; user processors, criteria and
-   streamers see the stock layout,
+1. prefills each shared prefix once at batch 1 into a ``RelayCache`` (or forks the caller's, which is never mutated),
+2. lays each row out as ``[its prefix | masked | its suffix]`` (``prefix.RowLayout``) and runs stock ``generate`` on
+   that, so only the suffixes are prefilled and every decode step reads each prefix once per batch; user processors,
+   criteria and streamers see the stock layout,
 3. or runs relay_hf's own decode loop on a static cache (``decode.py``; the default on CUDA),
 4. hands back ``sequences`` in the stock layout, with the ``RelayCache`` as the returned cache.
 """
@@ -28,7 +28,7 @@ from ._compat import cache_kwarg_name
 from .cache import RelayCache
 from .decode import fast_generate
 from .policy import CACHE_NAMES, Plan, RelayDecision, decide
-from .prefix import inverse_permutation, relay_permutation, to_stock_layout
+from .prefix import RowLayout, relay_layout
 from .state import StaticSlot
 
 logger = logging.getLogger("relay_hf")
@@ -44,29 +44,29 @@ class RelayFallbackWarning(UserWarning):
 class _StockView:
     """Shows a user's stopping criterion the ids in stock layout."""
 
-    def __init__(self, inner, inv: torch.Tensor):
-        self.inner, self.inv = inner, inv
+    def __init__(self, inner, layout: RowLayout):
+        self.inner, self.layout = inner, layout
 
     def __call__(self, input_ids, scores, **kwargs):
-        return self.inner(to_stock_layout(input_ids, self.inv), scores, **kwargs)
+        return self.inner(self.layout.to_stock(input_ids), scores, **kwargs)
 
 
 class _ProcessorView(_StockView):
     """The same for a logits processor: ``LogitsProcessorList`` inspects the signature, so exactly two arguments."""
 
     def __call__(self, input_ids, scores):
-        return self.inner(to_stock_layout(input_ids, self.inv), scores)
+        return self.inner(self.layout.to_stock(input_ids), scores)
 
 
 class _StreamerView(BaseStreamer):
     """Forwards to the user's streamer, showing it the prompt in stock layout."""
 
-    def __init__(self, inner, inv: torch.Tensor):
-        self.inner, self.inv, self.first = inner, inv.cpu(), True
+    def __init__(self, inner, layout: RowLayout):
+        self.inner, self.layout, self.first = inner, layout, True
 
     def put(self, value):
-        if self.first and value.dim() == 2 and value.shape[1] == self.inv.shape[1]:
-            value = to_stock_layout(value, self.inv)
+        if self.first and value.dim() == 2 and value.shape[1] == self.layout.columns:
+            value = self.layout.to_stock(value)
         self.first = False
         self.inner.put(value)
 
@@ -95,57 +95,78 @@ def _warn_fallback(plan: Plan) -> None:
     logger.warning("relay_hf: this call runs stock generate: %s", plan.reason)
 
 
-def _wrap_user_hooks(call: dict, inv: torch.Tensor, plan: Plan) -> None:
+def _wrap_user_hooks(call: dict, layout: RowLayout, plan: Plan) -> None:
     """Let user processors, criteria and streamers (and stop strings) see stock-layout ids."""
     if plan.gen.stop_strings is not None:  # its criterion reads the prompt's tail: built here, on the stock view
         stop = StopStringCriteria(tokenizer=call["tokenizer"], stop_strings=plan.gen.stop_strings)
         call["stopping_criteria"] = [*(call.get("stopping_criteria") or []), stop]
         call["stop_strings"] = None
     if call.get("logits_processor"):
-        call["logits_processor"] = LogitsProcessorList(_ProcessorView(p, inv) for p in call["logits_processor"])
+        call["logits_processor"] = LogitsProcessorList(_ProcessorView(p, layout) for p in call["logits_processor"])
     if call.get("stopping_criteria"):
-        call["stopping_criteria"] = StoppingCriteriaList(_StockView(c, inv) for c in call["stopping_criteria"])
+        call["stopping_criteria"] = StoppingCriteriaList(_StockView(c, layout) for c in call["stopping_criteria"])
     if call.get("streamer") is not None:
-        call["streamer"] = _StreamerView(call["streamer"], inv)
+        call["streamer"] = _StreamerView(call["streamer"], layout)
 
 
-def _static_slot(model, base: RelayCache, plan: Plan, pads: torch.Tensor) -> StaticSlot:
-    """A static fork of ``base`` for this call (``pads [R]``: each row's left padding): an idle one of the model's
-    refilled in place when its shapes fit (as transformers keeps its StaticCache, so captured graphs are not
-    re-recorded), else a new one of ``plan.static_rows`` rows. relay_hf's loop takes a slot of up to twice its bucket's
-    rows and suffix capacity (the extra rows copy row 0); transformers' loop needs the exact shapes."""
+def _lengths_for_layout(call: dict, layout: RowLayout, plan: Plan) -> None:
+    """The relay layout can have more columns than the stock prompt (several prefixes of different lengths): the
+    call's total lengths (``max_length``, ``min_length``), which transformers' loop counts from the prompt's columns,
+    are restated for it."""
+    extra = layout.columns - plan.ids.shape[1]
+    if not extra:
+        return
+    call.pop("max_length", None)
+    call["max_new_tokens"] = plan.new_tokens
+    if plan.gen.min_new_tokens is None and (plan.gen.min_length or 0) > 0:
+        call["min_length"] = plan.gen.min_length + extra
+
+
+def _static_slot(model, base: RelayCache, plan: Plan, pads: torch.Tensor, paths) -> StaticSlot:
+    """A static fork of ``base`` for this call (``pads [R]``: each row's left padding; ``paths``: the segments each
+    row reads, or ``None`` for one prefix): an idle one of the model's refilled in place when its shapes fit (as
+    transformers keeps its StaticCache, so captured graphs are not re-recorded), else a new one of
+    ``plan.static_rows`` rows. relay_hf's loop takes a slot of up to twice its bucket's rows and suffix capacity (the
+    extra rows copy row 0); transformers' loop needs the exact shapes."""
     cap, rows = plan.static_capacity, plan.static_rows
-    fits = ((lambda c: c.can_refill(base, rows, cap, max_rows=2 * rows)) if plan.fast_decode else
-            (lambda c: c.can_refill(base, rows, cap) and c.layers[0].max_suffix_length == cap))
+    fits = ((lambda c: c.can_refill(base, rows, cap, max_rows=2 * rows, paths=paths)) if plan.fast_decode else
+            (lambda c: c.can_refill(base, rows, cap, paths=paths) and c.layers[0].max_suffix_length == cap))
     slot = model._relay_state.take_static(fits)
     if slot is None:
-        slot = StaticSlot(base.fork(max_suffix_length=cap, suffix_padding=_extend(pads, rows)))
+        slot = StaticSlot(base.fork(max_suffix_length=cap, suffix_padding=_extend(pads, rows),
+                                    paths=_extend(paths, rows)))
     else:
-        slot.cache.refill(base, _extend(pads, slot.cache.layers[0].keys.shape[0]).to(base.prefix_device))
+        held = slot.cache.layers[0].keys.shape[0]
+        slot.cache.refill(base, _extend(pads, held).to(base.prefix_device), _extend(paths, held))
     return slot
 
 
-def _extend(pads: torch.Tensor, rows: int) -> torch.Tensor:
-    """``pads [R]`` for ``rows >= R`` rows: the extra rows copy row 0."""
-    return torch.cat([pads, pads[:1].expand(rows - pads.shape[0])])
+def _extend(rows_values, rows: int):
+    """Per-row values (``[R]`` tensor or list; ``None`` stays ``None``) for ``rows >= R`` rows: the extra rows copy
+    row 0."""
+    if rows_values is None:
+        return None
+    if isinstance(rows_values, torch.Tensor):
+        return torch.cat([rows_values, rows_values[:1].expand(rows - rows_values.shape[0])])
+    return list(rows_values) + [rows_values[0]] * (rows - len(rows_values))
 
 
 def _run_relay(model, stock, call: dict, plan: Plan):
-    ids, mask, n_pad, P, T = plan.ids, plan.mask, plan.n_pad, plan.prefix_length, plan.ids.shape[1]
-    perm = relay_permutation(n_pad, P, T)
-    inv = inverse_permutation(perm)
+    grouping = plan.grouping
+    layout = relay_layout(plan.ids, plan.mask, plan.n_pad, grouping.prefix_lengths())
     base = plan.user_cache
     if base is None:
-        base = RelayCache.from_prefix(model, ids[0, int(n_pad[0]):int(n_pad[0]) + P])
-    per_input = plan.rows // ids.shape[0]  # beams / return sequences
-    pads = n_pad.to(torch.int32).repeat_interleave(per_input)  # [R]
-    slot = _static_slot(model, base, plan, pads) if plan.static else None
+        base = RelayCache.from_tree(model, grouping.tree)  # each shared segment prefilled once, at batch 1
+    per_input = plan.rows // plan.ids.shape[0]  # beams / return sequences
+    pads = layout.suffix_padding.to(torch.int32).repeat_interleave(per_input)  # [R]
+    paths = [p for p in grouping.paths for _ in range(per_input)] if plan.grouped else None
+    slot = _static_slot(model, base, plan, pads, paths) if plan.static else None
     if slot is None:
-        cache = base.fork(suffix_padding=pads)
-        cache.reserve(T + plan.new_tokens - P)  # suffix buffers sized once: prompt after the prefix + new tokens
+        cache = base.fork(suffix_padding=pads, paths=paths)
+        # suffix buffers sized once: prompt after the prefix + new tokens
+        cache.reserve(layout.columns - layout.prefix_columns + plan.new_tokens)
     else:
         cache = slot.cache
-    relay_ids, relay_mask = ids.gather(1, perm), mask.gather(1, perm)  # [B, T] in relay layout
     try:
         if plan.fast_decode:
             streamer = call.get("streamer")
@@ -153,25 +174,24 @@ def _run_relay(model, stock, call: dict, plan: Plan):
             if plan.gen.stop_strings is not None:  # stock's criterion; the loop shows it stock-layout ids
                 stop = StopStringCriteria(tokenizer=call["tokenizer"], stop_strings=plan.gen.stop_strings)
             with torch.no_grad():
-                out = fast_generate(model, relay_ids, relay_mask, ids, slot, plan.sampler,
-                                    None if streamer is None else _StreamerView(streamer, inv), plan.compile_config,
-                                    plan.new_tokens, rows_per_input=per_input, stop=stop)
-            return to_stock_layout(out, inv)
+                out = fast_generate(model, layout.ids, layout.mask, plan.ids, slot, plan.sampler,
+                                    None if streamer is None else _StreamerView(streamer, layout),
+                                    plan.compile_config, plan.new_tokens, rows_per_input=per_input, stop=stop)
+            return layout.to_stock(out)
         call = {k: v for k, v in call.items() if k not in ("inputs", "input_ids", *CACHE_NAMES)}
         if plan.gen.cache_implementation is not None:  # from the call, its config or the model's: ours is the cache
             call["cache_implementation"] = None
-        call["attention_mask"] = relay_mask
+        call["attention_mask"] = layout.mask
         call[cache_kwarg_name(model)] = cache
-        _wrap_user_hooks(call, inv, plan)
-        out = stock(relay_ids, **call)
+        _lengths_for_layout(call, layout, plan)
+        _wrap_user_hooks(call, layout, plan)
+        out = stock(layout.ids, **call)
     finally:
         if slot is not None:
             model._relay_state.give_back_static(slot)
-    sequences = out if isinstance(out, torch.Tensor) else out.sequences
-    sequences = to_stock_layout(sequences, inv)
     if isinstance(out, torch.Tensor):
-        return sequences
-    out.sequences = sequences
+        return layout.to_stock(out)
+    out.sequences = layout.to_stock(out.sequences)
     return out
 
 
@@ -191,12 +211,14 @@ def relay_generate(model, *args, **kwargs):
             _warn_fallback(plan)
         kwargs = {k: v for k, v in kwargs.items() if not (k in CACHE_NAMES and isinstance(v, RelayCache))}
         return stock(*args, **kwargs)
-    logger.debug("relay_hf: relay generate, prefix %d tokens, %d rows", plan.prefix_length, plan.rows)
+    logger.debug("relay_hf: relay generate, prefix %d tokens, %d rows, groups %s", plan.prefix_length, plan.rows,
+                 model.relay_last_decision.groups)
     try:
         return _run_relay(model, stock, call, plan)
     except BaseException as err:
         model.relay_last_decision = RelayDecision(False, f"relay run failed: {type(err).__name__}: {err}",
-                                                  plan.prefix_length, plan.rows, plan.static)
+                                                  plan.prefix_length, plan.rows, plan.static,
+                                                  groups=model.relay_last_decision.groups)
         raise
 
 

@@ -44,16 +44,6 @@ def unsupported_reason(model) -> str | None:
     return None
 
 
-def reference_only(model) -> str | None:
-    """What of ``model``'s attention relay serves with its PyTorch reference only (the Triton kernels do not take
-    it yet), or ``None``: logit softcapping (Gemma 2), attention sinks (gpt-oss)."""
-    if getattr(model.config.get_text_config(decoder=True), "attn_logit_softcapping", None) is not None:
-        return "attention logit softcapping"
-    if any(hasattr(m, "sinks") for m in model.modules()):
-        return "attention sinks"
-    return None
-
-
 def _configs(model) -> list:
     """Every config object the model's modules read their attention implementation from."""
     seen = {id(model.config): model.config}
@@ -123,7 +113,7 @@ def patch(model, *, min_prefix_length: int = DEFAULT_MIN_PREFIX_LENGTH, decode: 
     if reason is not None:
         warnings.warn(f"relay_hf: {reason}; {type(model).__name__} keeps stock attention", RelayFallbackWarning,
                       stacklevel=2)
-    model._relay_state = RelayState(original, min_prefix_length, reason, decode, reference_only(model))
+    model._relay_state = RelayState(original, min_prefix_length, reason, decode)
     model.relay_last_decision = None
     model.generate = RelayGenerate(model)
     return model

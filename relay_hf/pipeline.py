@@ -1,10 +1,11 @@
-"""A text-generation pipeline that serves many questions under one system prompt, prefilling it once.
+"""A text-generation pipeline that serves many questions under system prompts, prefilling each once.
 
     import relay_hf
 
     pipe = relay_hf.pipeline("text-generation", model="HuggingFaceTB/SmolLM2-135M-Instruct",
                              system_prompt="You are ...")
     pipe(["question 1", "question 2", ...], batch_size=8, max_new_tokens=64)
+    pipe(["question 3", "question 4"], system_prompt=["You are A ...", "You are B ..."])  # one per input
 
 ``relay_hf.pipeline`` takes what ``transformers.pipeline`` takes (a loaded model or a Hub id / local path, ``dtype``,
 ``device``, ``device_map``, ``model_kwargs`` such as ``{"gguf_file": ...}``, ...). The task is also registered with
@@ -12,14 +13,18 @@ transformers as ``"relay-text-generation"`` when ``relay_hf`` is imported, so af
 ``transformers.pipeline("relay-text-generation", model=..., system_prompt=...)`` builds the same pipeline.
 
 Inputs: whatever ``TextGenerationPipeline`` takes (one string or chat, lists of them, generators, ``KeyDataset`` or
-any torch ``Dataset``). Every item gets the system prompt in preprocessing: a user string becomes
-``[system, user]``, a chat without a system message gets it in front, a chat with its own system message is left as
-it is. Outputs are what stock ``TextGenerationPipeline`` returns for those conversations.
+any torch ``Dataset``). Every item gets a system prompt in preprocessing: a user string becomes ``[system, user]``, a
+chat without a system message gets it in front, a chat with its own system message keeps it. The system prompt is
+``system_prompt`` (set when the pipeline is built, or per call), or per input: a call's ``system_prompt=`` may be a
+list as long as a list of inputs (``None`` entries: no system prompt). Outputs are what stock
+``TextGenerationPipeline`` returns for those conversations.
 
-The shared prefix is the longest common token prefix of conversations rendered with the chat template (a template may
-put per-turn tokens right after the system text). It is prefilled once into a ``RelayCache`` on first use and reused
-by every call and batch until ``system_prompt`` changes. A batch whose rows do not all start with it (a chat carrying
-another system message) runs without it: patched ``generate`` then finds its own shared prefix, or runs stock.
+Each system prompt's shared prefix is the longest common token prefix of conversations rendered under it with the
+chat template (a template may put per-turn tokens right after the system text). It is prefilled once into a
+``RelayCache`` the first time a batch uses it, and kept, least recently used first out, while the kept prefixes fit
+in ``prefix_cache_bytes``; a batch under several system prompts gets one cache holding each of its prompts once
+(``RelayCache.combine``). A batch with a row under no system prompt runs without them: patched ``generate`` then finds
+what its rows share itself, or runs stock.
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ from __future__ import annotations
 import copy
 import threading
 import weakref
+from collections import OrderedDict
 
 import torch
 from transformers import AutoModelForCausalLM, TextGenerationPipeline
@@ -37,15 +43,23 @@ from ._compat import cache_kwarg_name, chat_messages, pipeline_chat
 from .cache import RelayCache
 from .patch import is_patched, patch, unpatch
 from .policy import CACHE_NAMES, model_reason
-from .prefix import common_prefix_length, first_mismatch, left_padding
+from .prefix import common_prefix_length, left_padding
 
 TASK = "relay-text-generation"
 # two user turns that differ from their first character, to find where the rendered conversations diverge
 _PROBES = ("A", "7")
+DEFAULT_PREFIX_CACHE_BYTES = 1 << 30  # prefilled system prompts kept between calls (the least recently used go first)
+_SYSTEM = "relay_system_prompt"  # the key under which preprocessing hands a row's system prompt to _forward
+_NO_SYSTEM = object()  # a call-time system_prompt that was not given
 
 
 class RelayTextGenerationPipeline(TextGenerationPipeline):
-    """``TextGenerationPipeline`` with a ``system_prompt`` whose KV is computed once and shared by every row.
+    """``TextGenerationPipeline`` whose system prompts' KV is computed once and shared by every row under them.
+
+    Args:
+        system_prompt: the system message of every input that brings none (``None``: none).
+        prefix_cache_bytes: bytes of prefilled system prompts kept between calls (default 1 GiB), least recently used
+            dropped first; a batch's own prompts are kept while it runs, even past the budget.
 
     What it does to the objects you pass:
 
@@ -57,16 +71,24 @@ class RelayTextGenerationPipeline(TextGenerationPipeline):
       stays patched. (A patched model's ``generate`` returns what stock returns; the patch changes the model's
       attention implementation name to ``"relay"``.) As with any pipeline, ``device=`` moves the model.
 
-    The ``RelayCache`` of the system prompt is built lazily, once, under a lock (concurrent calls from several threads
+    The ``RelayCache`` of a system prompt is built lazily, once, under a lock (concurrent calls from several threads
     share one prefill), and never for a model relay cannot serve (``relay_hf.policy.model_reason``): such a model
     runs stock ``generate`` with the system prompt in every row.
     """
 
-    def __init__(self, model, tokenizer=None, *args, system_prompt: str | None = None, **kwargs):
+    def __init__(self, model, tokenizer=None, *args, system_prompt: str | None = None,
+                 prefix_cache_bytes: int = DEFAULT_PREFIX_CACHE_BYTES, **kwargs):
+        if isinstance(prefix_cache_bytes, bool) or not isinstance(prefix_cache_bytes, int) or prefix_cache_bytes < 0:
+            raise ValueError(f"prefix_cache_bytes must be a non-negative int, got {prefix_cache_bytes!r}")
+        if system_prompt is not None and not isinstance(system_prompt, str):
+            raise ValueError("a pipeline's system_prompt is one string (a list per input goes with the call)")
         super().__init__(model, _left_padding_tokenizer(tokenizer), *args, **kwargs)
         self._system_prompt = system_prompt
-        self._cache: RelayCache | None = None
-        self._lock = threading.Lock()  # guards _system_prompt / _cache: one prefill however many threads call
+        self.prefix_cache_bytes = prefix_cache_bytes
+        # rendered prefix ids -> prefilled RelayCache, least recently used first; guarded by _lock (one prefill per
+        # prompt however many threads call)
+        self._caches: OrderedDict[tuple[int, ...], RelayCache] = OrderedDict()
+        self._lock = threading.RLock()
         release = _hold_patch(self.model)
         self._finalizer = weakref.finalize(self, release) if release is not None else None
         if self._finalizer is not None:
@@ -78,15 +100,15 @@ class RelayTextGenerationPipeline(TextGenerationPipeline):
 
     @system_prompt.setter
     def system_prompt(self, value: str | None) -> None:
-        with self._lock:
-            if value != self._system_prompt:
-                self._system_prompt, self._cache = value, None
+        if value is not None and not isinstance(value, str):
+            raise ValueError("a pipeline's system_prompt is one string (a list per input goes with the call)")
+        self._system_prompt = value
 
     def close(self) -> None:
-        """Drop the prefix cache and let go of the patch this pipeline applied (see the class docstring); once the
-        patch is undone, calls run stock ``generate``."""
+        """Drop the prefilled system prompts and let go of the patch this pipeline applied (see the class docstring);
+        once the patch is undone, calls run stock ``generate``."""
         with self._lock:
-            self._cache = None
+            self._caches.clear()
         if self._finalizer is not None:
             self._finalizer()
 
@@ -97,30 +119,63 @@ class RelayTextGenerationPipeline(TextGenerationPipeline):
         self.close()
 
     # -- inputs ----------------------------------------------------------------------------------------------------
-    def _with_system(self, item):
-        """``item`` as the conversation to render: a chat that starts with a system message (``system_prompt`` unless
-        it has its own), or ``item`` as it is when there is no ``system_prompt`` or ``item`` is no text."""
+    def __call__(self, text_inputs, *args, system_prompt=_NO_SYSTEM, **kwargs):
+        """Stock's call; ``system_prompt``: one string for every input of this call, or a list as long as a list of
+        inputs (one per input, ``None`` for none)."""
+        if system_prompt is _NO_SYSTEM:
+            return super().__call__(text_inputs, *args, **kwargs)
+        if isinstance(system_prompt, (list, tuple)):
+            if not isinstance(text_inputs, (list, tuple)) or _is_chat(text_inputs):
+                raise ValueError("a list of system prompts needs a list of inputs, one prompt per input")
+            if len(system_prompt) != len(text_inputs):
+                raise ValueError(f"{len(system_prompt)} system prompts for {len(text_inputs)} inputs")
+            items = [_Item(x, s, i) for i, (x, s) in enumerate(zip(text_inputs, system_prompt))]
+            return super().__call__(items, *args, **kwargs)
+        if system_prompt is not None and not isinstance(system_prompt, str):
+            raise ValueError(f"system_prompt must be a string, a list of them or None, got "
+                             f"{type(system_prompt).__name__}")
+        if isinstance(text_inputs, (list, tuple)) and not _is_chat(text_inputs):
+            return super().__call__([_Item(x, system_prompt, i) for i, x in enumerate(text_inputs)], *args,
+                                    **kwargs)
+        if isinstance(text_inputs, str) or _is_chat(text_inputs):
+            return super().__call__(_Item(text_inputs, system_prompt, 0), *args, **kwargs)
+        raise ValueError("a call's system_prompt goes with a string, a chat or a list of them; set "
+                         "pipe.system_prompt for generators and datasets")
+
+    def _with_system(self, item) -> tuple[object, str | None]:
+        """``item`` as the conversation to render (a chat that starts with a system message, unless it has no
+        system prompt, or ``item`` as it is when it is no text) and that system message's content."""
         system_prompt = self._system_prompt
+        if isinstance(item, _Item):
+            item, system_prompt = item.value, item.system_prompt
+        messages = chat_messages(item)
+        if messages is not None and messages[0]["role"] == "system":
+            content = messages[0]["content"]
+            return pipeline_chat(messages), content if isinstance(content, str) else None
         if system_prompt is None:
-            return item
+            return item, None
         system = {"role": "system", "content": system_prompt}
         if isinstance(item, str):
-            return pipeline_chat([system, {"role": "user", "content": item}])
+            return pipeline_chat([system, {"role": "user", "content": item}]), system_prompt
         # a plain list of messages reaches here when the batch mixes strings and chats (transformers wraps only
         # all-chat batches as chats)
-        messages = chat_messages(item)
         if messages is None:
-            return item
-        return pipeline_chat(messages if messages[0]["role"] == "system" else [system, *messages])
+            return item, None
+        return pipeline_chat([system, *messages]), system_prompt
 
     def preprocess(self, prompt_text, *args, **kwargs):
-        """Per item (lists, generators and datasets alike): the system prompt first, then stock preprocessing."""
-        return super().preprocess(self._with_system(prompt_text), *args, **kwargs)
+        """Per item (lists, generators and datasets alike): the system prompt first, then stock preprocessing; the
+        system prompt travels with the item to ``_forward``."""
+        item, system_prompt = self._with_system(prompt_text)
+        out = super().preprocess(item, *args, **kwargs)
+        out[_SYSTEM] = system_prompt
+        return out
 
-    # -- the shared prefix -----------------------------------------------------------------------------------------
-    def prefix_ids(self) -> torch.Tensor | None:
-        """``[P]`` int64 tokens every conversation under ``system_prompt`` starts with, or ``None``."""
-        system_prompt = self._system_prompt
+    # -- the shared prefixes ---------------------------------------------------------------------------------------
+    def prefix_ids(self, system_prompt: str | None = None) -> torch.Tensor | None:
+        """``[P]`` int64 tokens every conversation under ``system_prompt`` (default: the pipeline's) starts with, or
+        ``None``."""
+        system_prompt = self._system_prompt if system_prompt is None else system_prompt
         if system_prompt is None:
             return None
         rendered = [self.tokenizer.apply_chat_template(
@@ -132,25 +187,95 @@ class RelayTextGenerationPipeline(TextGenerationPipeline):
         P = common_prefix_length(ids, torch.tensor([T - len(r) for r in rows]))
         return rows[0][:P] if P > 0 else None
 
-    def prefix_cache(self) -> RelayCache | None:
-        """The ``RelayCache`` of the system prompt, prefilled on first use; ``None`` without a system prompt, or when
-        relay cannot serve the model (then no cache is built at all)."""
+    def prefix_cache(self, system_prompt: str | None = None) -> RelayCache | None:
+        """The ``RelayCache`` of ``system_prompt`` (default: the pipeline's), prefilled on first use and kept;
+        ``None`` without a system prompt, or when relay cannot serve the model (then no cache is built at all)."""
+        system_prompt = self._system_prompt if system_prompt is None else system_prompt
+        return self._caches_for([system_prompt])[0] if system_prompt is not None else None
+
+    def _caches_for(self, system_prompts) -> list[RelayCache | None]:
+        """One prefilled ``RelayCache`` per system prompt (``None`` where it has no prefix, or relay cannot serve
+        the model), from the kept ones where possible; then the least recently used are dropped down to
+        ``prefix_cache_bytes`` (these excepted)."""
         with self._lock:
-            if self._cache is None and model_reason(self.model) is None:
-                ids = self.prefix_ids()
-                if ids is not None:
-                    self._cache = RelayCache.from_prefix(self.model, ids)
-            return self._cache
+            if model_reason(self.model) is not None:
+                return [None for _ in system_prompts]
+            out, used = [], set()
+            for system_prompt in system_prompts:
+                ids = self.prefix_ids(system_prompt)
+                if ids is None:
+                    out.append(None)
+                    continue
+                key = tuple(ids.tolist())
+                cache = self._caches.get(key)
+                if cache is None:
+                    cache = RelayCache.from_prefix(self.model, ids)
+                self._caches[key] = cache
+                self._caches.move_to_end(key)
+                used.add(key)
+                out.append(cache)
+            held = sum(_nbytes(c) for c in self._caches.values())
+            for key in list(self._caches):
+                if held <= self.prefix_cache_bytes:
+                    break
+                if key not in used:
+                    held -= _nbytes(self._caches.pop(key))
+            return out
+
+    def kept_system_prompts(self) -> int:
+        """How many prefilled system prompts the pipeline keeps now."""
+        return len(self._caches)
 
     def _forward(self, model_inputs, **generate_kwargs):
+        system_prompts = model_inputs.pop(_SYSTEM, None)
+        if not isinstance(system_prompts, list):  # batch size 1: the item's own value
+            system_prompts = [system_prompts]
         ids, mask = model_inputs["input_ids"], model_inputs.get("attention_mask")
-        if ids.shape[1] > 0 and not any(generate_kwargs.get(name) is not None for name in CACHE_NAMES):
-            cache = self.prefix_cache()
-            if cache is not None:
+        if (ids.shape[1] > 0 and None not in system_prompts
+                and not any(generate_kwargs.get(name) is not None for name in CACHE_NAMES)):
+            distinct = list(dict.fromkeys(system_prompts))
+            caches = self._caches_for(distinct)
+            if all(c is not None for c in caches):
+                cache = RelayCache.combine(caches)
                 n_pad = left_padding(mask if mask is not None else torch.ones_like(ids))
-                if n_pad is not None and first_mismatch(ids, n_pad, cache.prefix_ids) is None:
+                if n_pad is not None and _matches(cache, ids, n_pad):
                     generate_kwargs[cache_kwarg_name(self.model)] = cache
         return super()._forward(model_inputs, **generate_kwargs)
+
+
+class _Item:
+    """An input with the system prompt its call gave it (a call's ``system_prompt=``), on its way to
+    ``preprocess``."""
+
+    __slots__ = ("value", "system_prompt", "index")
+
+    def __init__(self, value, system_prompt: str | None, index: int):
+        if system_prompt is not None and not isinstance(system_prompt, str):
+            raise ValueError(f"system prompt {index} must be a string or None, got {type(system_prompt).__name__}")
+        messages = chat_messages(value)
+        if (system_prompt is not None and messages and messages[0]["role"] == "system"
+                and messages[0]["content"] != system_prompt):
+            raise ValueError(f"input {index} is a chat with its own system message and was given another system "
+                             "prompt")
+        self.value, self.system_prompt, self.index = value, system_prompt, index
+
+
+def _is_chat(value) -> bool:
+    """A list of message dicts (one conversation), as opposed to a list of inputs."""
+    return chat_messages(value) is not None
+
+
+def _nbytes(cache: RelayCache) -> int:
+    return cache.prefix_nbytes() if isinstance(cache, RelayCache) else 0
+
+
+def _matches(cache: RelayCache, ids: torch.Tensor, n_pad: torch.Tensor) -> bool:
+    """Every row starts with one of ``cache``'s prefixes (with a token after it)."""
+    try:
+        cache.tree.match(ids, n_pad)
+    except (ValueError, AttributeError):
+        return False
+    return True
 
 
 def _left_padding_tokenizer(tokenizer):

@@ -5,9 +5,9 @@ The rules, in the order they are checked:
 1. the model: patched, not declined by ``patch``, still on the ``"relay"`` implementation (``model_reason``);
 2. the call: a ``RelayCache`` or no cache, 2D integer ids, no feature that reads the prompt's token order or needs
    per-position outputs (those run stock: relay reorders each row's pads behind the shared prefix), left padding;
-3. the batch: a shared prefix long enough to pay (``relay_pays``; numbers in docs/performance.md), within the
-   position range; on CUDA, nothing only the PyTorch reference computes (softcap, sinks, a window shorter than the
-   sequence);
+3. the batch: shared prefixes that pay (``prefix.find_groups`` picks the system prompts, and blocks under them,
+   that save the most KV reads; ``relay_pays``; numbers in docs/performance.md), or the prefixes of the caller's
+   ``RelayCache`` (each row reads the longest it starts with), within the position range;
 4. the loop: relay_hf's decode loop (captured as CUDA graphs on CUDA; the default there, ``patch(model, decode=...)``
    chooses) where it reproduces stock token for token (``loop_reason``), else transformers' loop: on a static
    ``RelayCache`` when the call asks for one (``cache_implementation="static"``), else on a dynamic one.
@@ -27,7 +27,7 @@ from transformers import CompileConfig, GenerationConfig
 from ._compat import attn_implementation, compile_all_devices, resolve_generation_config
 from .cache import RelayCache, is_relay_name
 from .decode import DEFAULT_DECODE, Sampler, loop_sampler
-from .prefix import common_prefix_length, first_mismatch, left_padding
+from .prefix import Grouping, PrefixTree, common_prefix_length, find_groups, left_padding
 
 # rows * prefix tokens below which the CUDA relay kernel is not measured to beat SDPA over the expanded prefix
 # (B=8, S=512: 1.31x; docs/performance.md, kernel table)
@@ -66,6 +66,8 @@ DECODE_MODES = ("auto", "graph", "compile", "eager")
 @dataclass
 class RelayDecision:
     """What the last patched ``generate`` call did. ``used``: relay attention served it; ``reason``: why not;
+    ``prefix_length``: shared tokens (the longest a row reads); ``rows``: sequences decoded; ``groups``: per shared
+    segment ``(level, rows, tokens)`` (level 0: a system prompt; level 1: a block some of its rows share);
     ``static``: it ran on a static (compileable) ``RelayCache``; ``fast_decode``: relay_hf's own decode loop (CUDA
     graphs per step on CUDA, no host sync per token) ran it, else transformers' loop did (``loop_reason`` says
     why)."""
@@ -77,6 +79,7 @@ class RelayDecision:
     static: bool = False
     fast_decode: bool = False
     loop_reason: str = ""
+    groups: tuple[tuple[int, int, int], ...] = ()
 
 
 @dataclass(frozen=True, eq=False)
@@ -93,8 +96,9 @@ class Plan:
         new_tokens: tokens stock ``generate`` would make at most. ``static_capacity``: suffix positions of the
             static cache; ``static_rows``: its rows (on relay_hf's loop the batch rounded up to a capture size,
             ``DecodeConfig.bucket``). ``ids`` / ``mask`` ``[B, T]``; ``n_pad`` ``[B]``
-            left pads; ``user_cache``: the caller's ``RelayCache`` (never mutated); ``gen``: the resolved config;
-            ``sampler``: how relay_hf's loop picks tokens (``decode.loop_sampler``).
+            left pads; ``user_cache``: the caller's ``RelayCache`` (never mutated); ``grouping``: what the rows
+            share (the tree to prefill, or the caller's cache's, and each input row's path in it); ``gen``: the
+            resolved config; ``sampler``: how relay_hf's loop picks tokens (``decode.loop_sampler``).
     """
 
     relay: bool
@@ -112,13 +116,26 @@ class Plan:
     mask: torch.Tensor | None = field(default=None, repr=False)
     n_pad: torch.Tensor | None = field(default=None, repr=False)
     user_cache: RelayCache | None = field(default=None, repr=False)
+    grouping: Grouping | None = field(default=None, repr=False)
     gen: GenerationConfig | None = field(default=None, repr=False)
     compile_config: CompileConfig | None = field(default=None, repr=False)
     sampler: Sampler | None = field(default=None, repr=False)
 
+    @property
+    def grouped(self) -> bool:
+        """Rows read different prefixes (several segments, or rows without one): the grouped kernels."""
+        return self.grouping is not None and not self.grouping.single
+
     def decision(self) -> RelayDecision:
+        groups = ()
+        if self.grouping is not None:
+            per = self.rows // len(self.grouping.paths)
+            lengths, parents = self.grouping.tree.lengths, self.grouping.tree.parents
+            readers = [sum(j in p for p in self.grouping.paths) * per for j in range(len(lengths))]
+            groups = tuple((0 if parents[j] < 0 else 1, readers[j], lengths[j]) for j in range(len(lengths))
+                           if readers[j])
         return RelayDecision(self.relay, self.reason, self.prefix_length, self.rows, self.static, self.fast_decode,
-                             self.loop_reason)
+                             self.loop_reason, groups)
 
 
 class _Stock(Exception):
@@ -142,20 +159,23 @@ def model_reason(model) -> str | None:
 
 
 def relay_pays(rows: int, prefix_length: int, device: torch.device, min_prefix_length: int,
-               captured_loop: bool = False) -> str | None:
+               captured_loop: bool = False, shared_tokens: int | None = None) -> str | None:
     """``None`` when relay should serve this batch, else the reason it should not.
 
-    A single row has nothing to share, except on relay_hf's captured loop (``captured_loop``, CUDA only), where the
-    loop, not the kernel, decides: transformers' static loop is host-bound while the captured step replays back to
-    back (one row 5.3-5.6 ms vs stock static 7.5-10.8 ms a step; docs/performance.md)."""
+    ``prefix_length``: the shared prefix (with several, the shortest segment); ``shared_tokens``: rows x tokens read
+    from shared prefixes (``rows * prefix_length`` when ``None``). A single row has nothing to share, except on
+    relay_hf's captured loop (``captured_loop``, CUDA only), where the loop, not the kernel, decides: transformers'
+    static loop is host-bound while the captured step replays back to back (one row 5.3-5.6 ms vs stock static
+    7.5-10.8 ms a step; docs/performance.md)."""
     captured_loop = captured_loop and device.type == "cuda"
+    shared = rows * prefix_length if shared_tokens is None else shared_tokens
     if rows < 2 and not captured_loop:
         return "a single row has nothing to share"
     if prefix_length < max(1, min_prefix_length):
         return f"common prefix of {prefix_length} tokens is below min_prefix_length={max(1, min_prefix_length)}"
-    if device.type == "cuda" and not captured_loop and rows * prefix_length < CUDA_MIN_SHARED_TOKENS:
-        return (f"{rows} rows x {prefix_length} prefix tokens < {CUDA_MIN_SHARED_TOKENS}: SDPA is faster on this "
-                "GPU (relay_hf.policy)")
+    if device.type == "cuda" and not captured_loop and shared < CUDA_MIN_SHARED_TOKENS:
+        return (f"{shared} shared tokens (rows x prefix) < {CUDA_MIN_SHARED_TOKENS}: SDPA is faster on this GPU "
+                "(relay_hf.policy)")
     return None
 
 
@@ -234,9 +254,10 @@ def compile_config(model, gen: GenerationConfig) -> CompileConfig | None:
     return config if model.device.type == "cuda" or compile_all_devices(config) else None
 
 
-def check_cache(model, cache: RelayCache, ids: torch.Tensor, n_pad: torch.Tensor) -> None:
-    """Raise ``ValueError`` naming what makes ``cache`` unusable for these rows on this model."""
-    if cache.prefix_length == 0 or cache.prefix_ids is None:
+def check_cache(model, cache: RelayCache, ids: torch.Tensor, n_pad: torch.Tensor) -> Grouping:
+    """Each row's path in ``cache``'s prefixes; raise ``ValueError`` naming what makes ``cache`` unusable for these
+    rows on this model (a row that starts with none of its prefixes: which row, and where it differs)."""
+    if cache.tree is None or cache.layers[0].prefix_keys is None or cache.groups is not None:
         raise ValueError("RelayCache holds no prefix; build it with RelayCache.from_prefix(model, prefix_ids)")
     if cache.config is not model.config:
         raise ValueError("RelayCache was built for another model (its config is not this model's): build one with "
@@ -249,19 +270,31 @@ def check_cache(model, cache: RelayCache, ids: torch.Tensor, n_pad: torch.Tensor
         raise ValueError(f"RelayCache prefix dtype is {k.dtype} but the model runs in {model.dtype}")
     if k.device != model.device:
         raise ValueError(f"RelayCache prefix is on {k.device} but the model is on {model.device}")
-    bad = first_mismatch(ids, n_pad, cache.prefix_ids)
-    if bad is not None:
-        row, pos = bad
-        what = "has no token after it" if pos >= cache.prefix_length else f"differs at prefix position {pos}"
-        raise ValueError(f"RelayCache prefix ({cache.prefix_length} tokens) does not match the input: row {row} {what}")
+    return Grouping(cache.tree, tuple(cache.tree.match(ids, n_pad)))
 
 
-def _sliding_window(config) -> int | None:
-    text = config.get_text_config(decoder=True)
-    layer_types = getattr(text, "layer_types", None)
-    if layer_types is not None and "sliding_attention" not in layer_types:
-        return None
-    return getattr(text, "sliding_window", None)
+def batch_grouping(model, ids: torch.Tensor, n_pad: torch.Tensor, rows: int, captured: bool) -> Grouping:
+    """What this batch's rows share (``prefix.find_groups``), or raise ``_Stock`` with why relay does not pay. One
+    input row shares nothing; on the captured loop it still runs relay with its prompt but the last token as the
+    prefix."""
+    state = model._relay_state
+    B = ids.shape[0]
+    if B == 1:
+        P = int(ids.shape[1] - n_pad[0]) - 1 if captured or rows > 1 else 0
+        grouping = None if P < 1 else Grouping(PrefixTree((ids[0, int(n_pad[0]):int(n_pad[0]) + P].cpu(),), (-1,)),
+                                                ((0,),))
+    else:
+        grouping = find_groups(ids, n_pad, state.min_prefix_length)
+    if grouping is None:
+        P = common_prefix_length(ids, n_pad) if rows > 1 or captured else 0
+        raise _Stock(relay_pays(rows, P, model.device, state.min_prefix_length, captured) or
+                     f"no rows share min_prefix_length={state.min_prefix_length} tokens", expected=True)
+    per = rows // B
+    why = relay_pays(rows, min(grouping.tree.lengths), model.device, state.min_prefix_length, captured,
+                     grouping.shared_tokens() * per)
+    if why:
+        raise _Stock(why, expected=True)
+    return grouping
 
 
 def user_cache(call: dict):
@@ -336,33 +369,29 @@ def _decide(model, call: dict) -> Plan:
     if gen.repetition_penalty not in (None, 1.0) and not fast:  # stock's processor reads where each row's pads are
         raise _Stock(f"`repetition_penalty` off relay_hf's loop ({loop_why}) depends on the prompt's token order; "
                      "relay_hf runs it on stock generate")
-    # a static RelayCache for relay_hf's loop, and for transformers' loop when the call asks for one
-    static = fast or (asked_static and (gen.num_beams or 1) == 1)
-    compiled = compile_config(model, gen) if fast and (asked_static or model._relay_state.decode == "compile") \
-        else None
     captured = fast and model.device.type == "cuda"  # relay_hf's loop as CUDA graphs
     if cache is not None:
-        check_cache(model, cache, ids, n_pad)
-        P = cache.prefix_length
+        grouping = check_cache(model, cache, ids, n_pad)
     else:
-        P = common_prefix_length(ids, n_pad) if rows > 1 or captured else 0
-        why = relay_pays(rows, P, model.device, model._relay_state.min_prefix_length, captured_loop=captured)
-        if why:
-            raise _Stock(why, expected=True)
+        grouping = batch_grouping(model, ids, n_pad, rows, captured)
+    prefix_lengths = grouping.prefix_lengths()
+    P = max(prefix_lengths)
     max_pos = getattr(model.config.get_text_config(decoder=True), "max_position_embeddings", None)
     if max_pos is not None and P > max_pos:
         raise _Stock(f"shared prefix of {P} tokens is longer than max_position_embeddings ({max_pos})", expected=True)
-    window = _sliding_window(model.config)
-    reference = model._relay_state.reference_only
-    if reference is None and window is not None and T + n_new > window:
-        reference = f"a sliding window ({window}) shorter than the sequence ({T + n_new})"
-    if reference is not None and model.device.type == "cuda":  # the reference's speed there is not relay's
-        raise _Stock(f"{reference} is computed by relay_hf's PyTorch reference only (its Triton kernels do not take "
-                     "it yet); stock attention is faster on CUDA")
+    grouped = not grouping.single
+    # a static RelayCache for relay_hf's loop, and for transformers' loop when the call asks for one (one prefix:
+    # transformers' compiled loop would bake a call's grouping into its graphs)
+    static = fast or (asked_static and (gen.num_beams or 1) == 1 and not grouped)
+    # several prefixes decode on the captured eager step: their kernel tables change per call in place, which an
+    # inductor graph would have to guard on
+    compiled = (compile_config(model, gen) if fast and not grouped
+                and (asked_static or model._relay_state.decode == "compile") else None)
     capacity = 0
     if static:  # rounded up so similar calls reuse one captured step
-        capacity = -(-(T + n_new - P) // STATIC_ROUNDING) * STATIC_ROUNDING
+        suffix = max(T - int(n) - p for n, p in zip(n_pad.tolist(), prefix_lengths))
+        capacity = -(-(suffix + n_new) // STATIC_ROUNDING) * STATIC_ROUNDING
     return Plan(True, "relay", rows=rows, prefix_length=P, static=static, fast_decode=fast,
                 loop_reason="relay_hf decode loop" if fast else loop_why, new_tokens=n_new, static_capacity=capacity,
                 static_rows=DEFAULT_DECODE.bucket(rows) if fast else rows, ids=ids, mask=mask, n_pad=n_pad,
-                user_cache=cache, gen=gen, compile_config=compiled, sampler=sampler)
+                user_cache=cache, grouping=grouping, gen=gen, compile_config=compiled, sampler=sampler)

@@ -1,19 +1,27 @@
-"""Finding the shared prefix of a left-padded batch, and moving between the stock and the relay row layouts.
+"""Finding what rows share, and moving between the stock and the relay row layouts.
+
+What is shared is a ``PrefixTree``: segments of tokens, each stored once, each either a root (a system prompt) or
+the continuation of its parent (a document or few-shot block that some of that prompt's rows share). Each row reads
+a path of segments, root first, then its own suffix. ``find_groups`` picks the tree for a batch from its token ids
+(the grouping that saves the most KV reads, every segment at least ``min_length`` tokens and shared by two rows);
+``PrefixTree.match`` assigns a batch's rows to the tree of a ``RelayCache`` the caller built.
 
 Stock layout of row ``b`` (what the user passes, what ``generate`` returns)::
 
-    [ pad * n_b | prefix (P) | suffix_b ]
+    [ pad * n_b | prefix_b (P_b tokens) | suffix_b (s_b tokens) ]
 
-Relay layout (what the patched ``generate`` feeds the model; same length ``T``, same tokens, reordered)::
+Relay layout (``RowLayout``; what the patched ``generate`` feeds the model), ``P = max P_b`` columns for the prefix::
 
-    [ prefix (P) | pad * n_b | suffix_b ]
+    [ prefix_b (P_b) | masked (P - P_b) | masked (S - s_b) | suffix_b (s_b) ]      S = max s_b
 
-The prefix lands at columns ``0..P-1`` of every row, so a ``RelayCache`` holding it at batch 1 lines up with every
-row, and ``generate`` only has to prefill the ``T - P`` columns after it. Position ids come out identical to stock
-because they are derived from the (permuted) attention mask.
+The prefix columns are never fed to the model (the ``RelayCache`` holds them: ``get_seq_length() == P``), so
+``generate`` prefills only the ``S`` suffix columns. Position ids come out as stock's, since they derive from the
+mask: row ``b``'s suffix starts at position ``P_b``.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 
@@ -58,22 +66,283 @@ def first_mismatch(input_ids: torch.Tensor, n_pad: torch.Tensor, prefix_ids: tor
     return row, int(bad[row].int().argmax())
 
 
-def relay_permutation(n_pad: torch.Tensor, P: int, T: int) -> torch.Tensor:
-    """``perm [B, T]``: column ``j`` of a relay-layout row holds stock column ``perm[b, j]``."""
-    j = torch.arange(T, device=n_pad.device)[None]
-    n = n_pad[:, None]
-    return torch.where(j < P, j + n, torch.where(j < P + n, j - P, j))
+# -- what is shared --------------------------------------------------------------------------------------------------
+@dataclass(frozen=True, eq=False)
+class PrefixTree:
+    """Shared token segments, each stored once: ``ids[j]`` (``[n_j]`` int64, CPU) continues segment
+    ``parents[j]`` (``-1``: a root, starting at position 0). Segment ``j``'s full prefix is its ancestors' ids then
+    its own."""
+
+    ids: tuple[torch.Tensor, ...]
+    parents: tuple[int, ...]
+
+    @classmethod
+    def from_prefixes(cls, prefixes) -> PrefixTree:
+        """One node per given prefix (``[P]`` token ids each, distinct, non-empty): its parent is the longest other
+        given prefix that it strictly starts with, so ``[system, system + document_a, system + document_b]`` stores
+        the system prompt once with two children."""
+        full = [torch.as_tensor(p).reshape(-1).to("cpu", torch.int64) for p in prefixes]
+        order = sorted(range(len(full)), key=lambda j: full[j].numel())
+        parents = []
+        for j in range(len(full)):
+            candidates = [i for i in order if full[i].numel() < full[j].numel()
+                          and torch.equal(full[j][:full[i].numel()], full[i])]
+            parents.append(candidates[-1] if candidates else -1)
+        for j in range(len(full)):
+            if any(i != j and torch.equal(full[i], full[j]) for i in range(j)):
+                raise ValueError(f"prefix {j} is given twice")
+        own = tuple(full[j][full[parents[j]].numel() if parents[j] >= 0 else 0:] for j in range(len(full)))
+        return cls(own, tuple(parents))
+
+    @property
+    def lengths(self) -> tuple[int, ...]:
+        return tuple(t.numel() for t in self.ids)
+
+    def starts(self) -> tuple[int, ...]:
+        """Absolute position of each segment's first token (its ancestors' lengths)."""
+        out = []
+        for j in range(len(self.ids)):
+            at, up = 0, self.parents[j]
+            while up >= 0:
+                at += self.ids[up].numel()
+                up = self.parents[up]
+            out.append(at)
+        return tuple(out)
+
+    def path(self, j: int) -> tuple[int, ...]:
+        """Segment ``j`` and its ancestors, root first."""
+        out = [j]
+        while self.parents[out[-1]] >= 0:
+            out.append(self.parents[out[-1]])
+        return tuple(reversed(out))
+
+    def full_ids(self, j: int) -> torch.Tensor:
+        """``[P]`` the whole prefix ending with segment ``j``."""
+        return torch.cat([self.ids[i] for i in self.path(j)])
+
+    def match(self, input_ids: torch.Tensor, n_pad: torch.Tensor) -> list[tuple[int, ...]]:
+        """Each row's path: the deepest segment whose full prefix its real tokens start with, leaving at least one
+        token after it. Raises ``ValueError`` naming the first row that matches no root (and, for a one-prefix tree,
+        the position where it differs)."""
+        ids, n_pad = input_ids.cpu(), n_pad.cpu()
+        best: list[tuple[int, ...]] = [() for _ in range(ids.shape[0])]
+        for j in sorted(range(len(self.ids)), key=lambda j: len(self.path(j))):
+            full = self.full_ids(j)
+            if first_mismatch(ids, n_pad, full) is None:
+                hits = range(ids.shape[0])
+            else:
+                lengths = ids.shape[1] - n_pad
+                ok = lengths > full.numel()
+                tokens = _aligned_tokens(ids[ok], n_pad[ok], full.numel()) if bool(ok.any()) else None
+                rows = torch.nonzero(ok).flatten()
+                hits = [] if tokens is None else rows[(tokens == full[None]).all(1)].tolist()
+            for b in hits:
+                if len(self.path(j)) > len(best[b]):
+                    best[b] = self.path(j)
+        for b, path in enumerate(best):
+            if not path:
+                if len(self.ids) == 1:
+                    bad = first_mismatch(ids[b:b + 1], n_pad[b:b + 1], self.ids[0])
+                    pos = bad[1] if bad is not None else 0
+                    what = ("has no token after it" if pos >= self.ids[0].numel() else
+                            f"differs at prefix position {pos}")
+                    raise ValueError(f"RelayCache prefix ({self.ids[0].numel()} tokens) does not match the input: "
+                                     f"row {b} {what}")
+                raise ValueError(f"row {b} starts with none of the RelayCache's {len(self.ids)} prefixes (or has no "
+                                 "token after it)")
+        return best
 
 
-def inverse_permutation(perm: torch.Tensor) -> torch.Tensor:
-    """``inv [B, T]`` with ``inv[b, perm[b, j]] = j``: gathers a relay-layout row back into stock order."""
-    cols = torch.arange(perm.shape[1], device=perm.device).expand_as(perm)
-    return torch.empty_like(perm).scatter_(1, perm, cols)
+@dataclass(frozen=True, eq=False)
+class Grouping:
+    """What ``find_groups`` chose for a batch: the tree to prefill and each input row's path in it."""
+
+    tree: PrefixTree
+    paths: tuple[tuple[int, ...], ...]
+
+    @property
+    def single(self) -> bool:
+        """One segment read by every row: the ungrouped relay call."""
+        return len(self.tree.ids) == 1 and all(p == (0,) for p in self.paths)
+
+    def prefix_lengths(self) -> list[int]:
+        lengths = self.tree.lengths
+        return [sum(lengths[j] for j in p) for p in self.paths]
+
+    def shared_tokens(self) -> int:
+        """Rows x tokens read from shared segments (what stock would read once per row)."""
+        return sum(self.prefix_lengths())
 
 
-def to_stock_layout(ids: torch.Tensor, inv: torch.Tensor) -> torch.Tensor:
-    """Map ``[R, T + t]`` relay-layout ids (``R`` = a multiple of ``B`` rows, expanded per input row) to stock
-    layout; generated columns after ``T`` are unchanged."""
-    T = inv.shape[1]
-    inv_rows = inv.repeat_interleave(ids.shape[0] // inv.shape[0], dim=0).to(ids.device)
-    return torch.cat([ids[:, :T].gather(1, inv_rows), ids[:, T:]], dim=1)
+MAX_SEGMENTS = 64  # segments find_groups keeps at most (each costs a prefill and a few kernel work items)
+
+
+def find_groups(input_ids: torch.Tensor, n_pad: torch.Tensor, min_length: int, levels: int = 2,
+                max_segments: int = MAX_SEGMENTS) -> Grouping | None:
+    """The shared segments that save the most KV reads per decode step, or ``None`` when no two rows share
+    ``min_length`` tokens.
+
+    A segment of ``n`` tokens read by ``m`` rows is stored and read once instead of ``m`` times: it saves
+    ``(m - 1) * n``. Candidates are the nodes of the rows' longest-common-prefix tree (rows sorted, then the LCP of
+    neighbours): the rows below a node share its first ``depth`` tokens. Up to ``levels`` segments per row (a
+    system prompt, then a block some of its rows share), each read by at least two rows and at least ``min_length``
+    tokens long, every row keeping at least one token after its prefix; the best choice is found exactly by dynamic
+    programming over the tree. Rows under no chosen segment read none (their prompt is their suffix)."""
+    B = input_ids.shape[0]
+    if B < 2:
+        return None
+    ids, n_pad = input_ids.cpu(), n_pad.cpu()
+    usable = (ids.shape[1] - n_pad - 1).tolist()  # tokens a row may share: one stays for its suffix
+    width = max(usable)
+    if width < max(1, min_length):
+        return None
+    tokens = torch.full((B, width), -1, dtype=torch.int64)
+    for b in range(B):
+        tokens[b, :usable[b]] = ids[b, int(n_pad[b]):int(n_pad[b]) + usable[b]]
+    rows = tokens.tolist()
+    order = sorted(range(B), key=lambda b: rows[b][:usable[b]])
+    srt = tokens[order]
+    differ = srt[1:] != srt[:-1]  # [B-1, width]
+    lcp = torch.where(differ.any(1), differ.int().argmax(1), torch.full((B - 1,), width)).tolist()
+    lcp = [min(x, usable[order[i]], usable[order[i + 1]]) for i, x in enumerate(lcp)]
+    root = _lcp_tree(lcp, [usable[b] for b in order])
+    floor = max(1, min_length)
+
+    def pays(node: _Node, base: int) -> bool:
+        return node.rows >= 2 and node.depth - base >= floor
+
+    def below(node: _Node, base: int) -> tuple[int, list]:
+        """Best savings of segments starting at ``base`` among ``node`` and its descendants (an antichain)."""
+        options = _total([below(c, base) for c in node.children])
+        take = (node.rows - 1) * (node.depth - base) if pays(node, base) else 0
+        return (take, [(node, base)]) if take > 0 and take >= options[0] else options
+
+    def best(node: _Node) -> tuple[int, list]:
+        """Best savings of the subtree: root segments, each with its children's segments below it."""
+        options = _total([best(c) for c in node.children])
+        if not pays(node, 0):
+            return options
+        inner = _total([below(c, node.depth) for c in node.children]) if levels > 1 else (0, [])
+        take = (node.rows - 1) * node.depth + inner[0]
+        return (take, [(node, 0), *inner[1]]) if take >= options[0] else options
+
+    saved, chosen = best(root)
+    if saved <= 0:
+        return None
+    chosen = _cap_segments(chosen, max_segments)
+    roots = sorted((n for n, base in chosen if base == 0), key=lambda n: n.lo)
+    inner = sorted(((n, base) for n, base in chosen if base > 0), key=lambda nb: nb[0].lo)
+    seg_ids, parents, paths = [], [], [[] for _ in range(B)]
+    for node, base in [(n, 0) for n in roots] + inner:
+        parent = -1 if base == 0 else next(j for j, r in enumerate(roots) if r.lo <= node.lo and node.hi <= r.hi)
+        seg_ids.append(tokens[order[node.lo], base:node.depth].clone())
+        parents.append(parent)
+        for b in order[node.lo:node.hi]:
+            paths[b].append(len(seg_ids) - 1)
+    return Grouping(PrefixTree(tuple(seg_ids), tuple(parents)), tuple(tuple(p) for p in paths))
+
+
+def _total(parts: list[tuple[int, list]]) -> tuple[int, list]:
+    """Savings and segments of independent subtrees, together."""
+    return sum(p[0] for p in parts), [x for p in parts for x in p[1]]
+
+
+def _cap_segments(chosen: list, limit: int) -> list:
+    """At most ``limit`` segments: drop the inner (second-level) ones that save least, then the roots that save
+    least with their inner ones."""
+    saving = lambda nb: (nb[0].rows - 1) * (nb[0].depth - nb[1])  # noqa: E731
+    while len(chosen) > limit:
+        inner = [nb for nb in chosen if nb[1] > 0]
+        if inner:
+            chosen.remove(min(inner, key=saving))
+            continue
+        worst = min(chosen, key=saving)
+        chosen = [nb for nb in chosen if nb is not worst and not (nb[1] > 0 and worst[0].lo <= nb[0].lo
+                                                                     and nb[0].hi <= worst[0].hi)]
+    return chosen
+
+
+class _Node:
+    """An LCP interval: sorted rows ``lo .. hi - 1`` share their first ``depth`` tokens."""
+
+    __slots__ = ("depth", "lo", "hi", "children")
+
+    def __init__(self, depth: int, lo: int, hi: int = -1):
+        self.depth, self.lo, self.hi, self.children = depth, lo, hi, []
+
+    @property
+    def rows(self) -> int:
+        return self.hi - self.lo
+
+
+def _lcp_tree(lcp: list[int], usable: list[int]) -> _Node:
+    """The LCP-interval tree of sorted rows (``lcp[i]``: shared tokens of rows ``i`` and ``i + 1``; ``usable[i]``:
+    row ``i``'s own depth, as a leaf), built in one pass with a stack of open intervals."""
+    n = len(usable)
+    root = _Node(0, 0)
+    stack = [root]
+    for i in range(n):
+        child = _Node(usable[i], i, i + 1)
+        h = lcp[i] if i < n - 1 else 0  # the boundary after row i; 0 at the end closes everything
+        while stack[-1].depth > h:  # intervals deeper than the boundary end at row i
+            top = stack.pop()
+            top.children.append(child)
+            top.hi = i + 1
+            child = top
+        if stack[-1].depth < h:  # a new interval starts with what just closed
+            node = _Node(h, child.lo)
+            node.children.append(child)
+            stack.append(node)
+        else:
+            stack[-1].children.append(child)
+    root.hi = n
+    return root
+
+
+# -- the relay layout ----------------------------------------------------------------------------------------------
+@dataclass(frozen=True, eq=False)
+class RowLayout:
+    """One call's rows in the relay layout (module docstring) and the way back.
+
+    Attributes:
+        ids, mask: ``[B, P + S]`` relay layout. ``suffix_padding``: ``[B]`` int64, masked columns in front of each
+        row's suffix (``S - s_b``). ``prefix_columns``: ``P`` (the longest row prefix). ``stock_ids``: ``[B, T]`` the
+        rows as given.
+    """
+
+    ids: torch.Tensor
+    mask: torch.Tensor
+    suffix_padding: torch.Tensor
+    prefix_columns: int
+    stock_ids: torch.Tensor
+
+    @property
+    def columns(self) -> int:
+        return self.ids.shape[1]
+
+    def to_stock(self, ids: torch.Tensor) -> torch.Tensor:
+        """``[R, P + S + t]`` relay-layout ids (``R`` a multiple of ``B``: rows expanded per input row) to the stock
+        layout ``[R, T + t]``: the given prompt, then the generated columns unchanged."""
+        per = ids.shape[0] // self.stock_ids.shape[0]
+        return torch.cat([self.stock_ids.repeat_interleave(per, 0).to(ids.device), ids[:, self.columns:]], 1)
+
+
+def relay_layout(input_ids: torch.Tensor, mask: torch.Tensor, n_pad: torch.Tensor, prefix_lengths) -> RowLayout:
+    """Lay left-padded rows out for relay: row ``b``'s first ``prefix_lengths[b]`` real tokens in the prefix columns,
+    its remaining ones right-aligned after them (module docstring). Masked columns hold the batch's own pad token
+    (``0`` when nothing is padded)."""
+    B, T = input_ids.shape
+    dev = input_ids.device
+    P_b = torch.as_tensor(prefix_lengths, device=dev).long().reshape(-1).expand(B)
+    s_b = T - n_pad.to(dev) - P_b  # [B] suffix tokens
+    P, S = int(P_b.max()), int(s_b.max())
+    cols = P + S
+    j = torch.arange(cols, device=dev)[None]  # [1, cols]
+    in_prefix = j < P_b[:, None]
+    in_suffix = j >= cols - s_b[:, None]
+    src = torch.where(in_prefix, n_pad.to(dev)[:, None] + j, j - (cols - T)).clamp(0, T - 1)
+    pads = mask == 0
+    fill = input_ids[pads][:1] if bool(pads.any()) else torch.zeros(1, dtype=input_ids.dtype, device=dev)
+    valid = in_prefix | in_suffix
+    ids = torch.where(valid, input_ids.gather(1, src), fill)
+    return RowLayout(ids, valid.to(mask.dtype), (S - s_b).long(), P, input_ids)

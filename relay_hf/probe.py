@@ -26,7 +26,7 @@ import torch
 
 from ._compat import cache_kwarg_name
 from .cache import RelayCache
-from .prefix import relay_permutation
+from .prefix import relay_layout
 
 PROBE_PREFIX = 5  # shared tokens
 PROBE_SUFFIXES = (3, 1)  # tokens after the prefix per row: the second row is left-padded by 2
@@ -108,7 +108,8 @@ def _probe_inputs(model) -> dict:
     """The probe's rows in both layouts, on the input embedding's device.
 
     ``ids`` / ``mask`` ``[2, T]`` int64: stock layout ``[pads | prefix | suffix]``; ``relay_ids`` / ``relay_mask``: the
-    same rows as ``generate`` lays them out for relay; ``n_pad`` ``[2]``; ``prefix`` ``[P]``; ``step`` ``[2, 1]``: the
+    same rows as ``generate`` lays them out for relay; ``n_pad`` ``[2]``: each row's masked columns in front of its
+    suffix there; ``prefix`` ``[P]``; ``step`` ``[2, 1]``: the
     token of the decode step; ``positions``: whether the forward takes ``position_ids`` (``generate`` passes them only
     then); ``dtype``: the embedding's dtype (picks the tolerance).
     """
@@ -134,9 +135,9 @@ def _probe_inputs(model) -> dict:
         ids[b, T - len(row):] = torch.tensor(row)
         mask[b, T - len(row):] = 1
     n_pad = (mask == 0).sum(-1)
-    perm = relay_permutation(n_pad, PROBE_PREFIX, T)
+    layout = relay_layout(ids, mask, n_pad, PROBE_PREFIX)
     step = torch.full((len(PROBE_SUFFIXES), 1), rest[0], dtype=torch.long)
-    rows = dict(ids=ids, mask=mask, relay_ids=ids.gather(1, perm), relay_mask=mask.gather(1, perm), n_pad=n_pad,
+    rows = dict(ids=ids, mask=mask, relay_ids=layout.ids, relay_mask=layout.mask, n_pad=layout.suffix_padding,
                 prefix=torch.tensor(prefix), step=step)
     return {**{k: v.to(weight.device) for k, v in rows.items()},
             "positions": "position_ids" in inspect.signature(model.forward).parameters, "dtype": weight.dtype}

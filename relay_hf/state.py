@@ -30,15 +30,12 @@ class RelayState:
         min_prefix_length: shortest shared prefix (tokens) worth a separate prefill.
         declined: why ``patch`` left the model on its own attention (``None``: relay serves it).
         decode: which decode loop ``patch(model, decode=...)`` chose (``policy.loop_wanted``).
-        reference_only: what of the model's attention only relay_hf's PyTorch reference computes (logit softcapping,
-            attention sinks), or ``None`` (``patch.reference_only``).
     """
 
     original_attn: str
     min_prefix_length: int
     declined: str | None
     decode: str = "auto"
-    reference_only: str | None = None
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
     _idle: list = field(default_factory=list, repr=False)
     MAX_IDLE = 2
@@ -66,7 +63,7 @@ class RelayState:
 
     def __getstate__(self):  # pickling / deepcopy of a patched model: settings only, no lock, no buffers or graphs
         return {"original_attn": self.original_attn, "min_prefix_length": self.min_prefix_length,
-                "declined": self.declined, "decode": self.decode, "reference_only": self.reference_only}
+                "declined": self.declined, "decode": self.decode}
 
     def __setstate__(self, state):
         self.__init__(**state)

@@ -52,6 +52,46 @@ def dense_reference(query, prefix_key, prefix_value, suffix_key, suffix_value, s
     return probs @ v
 
 
+def oracle_attention(q, pk, pv, sk, sv, lengths=None, end=None, softcap=None, sinks=None, window=None, groups=None,
+                     scale=None):
+    """Float64 oracle written from the definitions, row by row: the row's prefix (all of ``pk``/``pv``, or the
+    segments of its path in ``groups``) and its valid suffix tokens at their absolute positions, one softmax over the
+    (capped) scores of the keys each query sees (causal, within ``window``), the sink logit in its denominator.
+    A query that sees nothing gets zeros (the relay contract)."""
+    q, pk, pv, sk, sv = (t.double().cpu() for t in (q, pk, pv, sk, sv))
+    B, H_q, L_q, D = q.shape
+    H_kv, L_s = sk.shape[1], sk.shape[2]
+    end = L_s if end is None else int(end)
+    scale = D ** -0.5 if scale is None else scale
+    out = torch.zeros(B, H_q, L_q, sv.shape[-1], dtype=torch.float64)
+    for b in range(B):
+        if groups is None:
+            kk, vv = pk[0], pv[0]
+        else:
+            parts = [slice(groups.offsets[j], groups.offsets[j] + groups.lengths[j]) for j in groups.paths[b]]
+            kk = torch.cat([pk[0][:, s] for s in parts] or [pk[0][:, :0]], 1)
+            vv = torch.cat([pv[0][:, s] for s in parts] or [pv[0][:, :0]], 1)
+        P = kk.shape[1]
+        n = end if lengths is None else int(lengths[b])
+        keys = torch.cat([kk, sk[b, :, end - n:end]], 1).repeat_interleave(H_q // H_kv, 0)  # [H_q, P + n, D]
+        values = torch.cat([vv, sv[b, :, end - n:end]], 1).repeat_interleave(H_q // H_kv, 0)
+        t = P + n - L_q + torch.arange(L_q)[:, None]  # [L_q, 1] absolute query positions
+        pos = torch.arange(P + n)[None]
+        seen = (pos < P) | (pos <= t)  # a padding query (t < P) still sees the prefix: the contract
+        if window is not None:
+            seen = seen & (pos > t - window)
+        s = (q[b] @ keys.transpose(1, 2)) * scale  # [H_q, L_q, P + n]
+        if softcap is not None:
+            s = torch.tanh(s / softcap) * softcap
+        s = s.masked_fill(~seen[None], float("-inf"))
+        if sinks is not None:
+            s = torch.cat([s, sinks.double().cpu().view(H_q, 1, 1).expand(H_q, L_q, 1)], -1)
+            values = torch.cat([values, torch.zeros(H_q, 1, values.shape[-1], dtype=torch.float64)], 1)
+        probs = torch.softmax(s, -1).nan_to_num(0.0)  # rows that see nothing: zeros
+        out[b] = probs @ values
+    return out
+
+
 def rel_err(out, ref) -> float:
     out, ref = out.double(), ref.double().to(out.device)
     return float((out - ref).norm() / ref.norm().clamp_min(1e-30))
@@ -113,6 +153,24 @@ def shared_prefix_batch(prefix_len: int = 40, suffix_lens=(3, 9, 1, 6), seed: in
     rows = [torch.cat([prefix, torch.randint(3, VOCAB, (n,), generator=g)]) for n in suffix_lens]
     ids, mask = left_pad(rows)
     return ids, mask, prefix
+
+
+def grouped_batch(seed: int = 0, prompts=(40, 24, 16), rows=(3, 2, 2), block: int = 12, none: int = 1):
+    """Left-padded rows under several system prompts (``prompts`` tokens, ``rows`` rows each, of different
+    lengths), the first two rows of the first prompt also sharing a ``block`` of tokens after it (a second level),
+    and ``none`` rows that share nothing; rows interleaved. Returns ``(ids, mask, prompts, block)``."""
+    g = torch.Generator().manual_seed(seed)
+    rand = lambda n: torch.randint(3, VOCAB, (n,), generator=g)  # noqa: E731
+    systems = [rand(n) for n in prompts]
+    shared = rand(block)
+    groups = []
+    for i, (system, k) in enumerate(zip(systems, rows)):
+        groups.append([torch.cat([system, shared if i == 0 and r < 2 else rand(0), rand(int(n))])
+                       for r, n in enumerate(torch.randint(1, 7, (k,), generator=g))])
+    groups.append([rand(int(n)) for n in torch.randint(5, 16, (none,), generator=g)])
+    ordered = [group[r] for r in range(max(map(len, groups))) for group in groups if r < len(group)]
+    ids, mask = left_pad(ordered)
+    return ids, mask, systems, shared
 
 
 # -- a tiny random model of any causal-LM model type ---------------------------------------------------------------

@@ -169,3 +169,55 @@ def test_static_fork_owns_its_prefix_and_refills_in_place():
     assert torch.equal(static.layers[0].prefix_keys, other.layers[0].prefix_keys)
     assert torch.equal(base.layers[0].prefix_keys, kv[0][0])
     assert int(static.layers[0]._end) == 0 and static.layers[0]._lengths.tolist() == [0, -1, 0]
+
+
+# -- several prefixes ------------------------------------------------------------------------------------------------
+def test_from_prefixes_stores_each_shared_part_once_and_matches_a_prefill_of_the_whole(model):
+    g = torch.Generator().manual_seed(7)
+    system, doc_a, doc_b, other = (torch.randint(3, 200, (n,), generator=g) for n in (20, 6, 9, 11))
+    cache = RelayCache.from_prefixes(model, [system, torch.cat([system, doc_a]), torch.cat([system, doc_b]), other])
+    assert cache.tree.lengths == (20, 6, 9, 11) and cache.tree.parents == (-1, 0, 0, -1)
+    assert cache.prefix_ids is None and cache.prefix_length == 29 and "segments=4" in repr(cache)
+    H, D = model.config.num_key_value_heads, model.config.hidden_size // model.config.num_attention_heads
+    assert cache.prefix_nbytes() == len(cache.layers) * 2 * H * 46 * D * 4  # 20 + 6 + 9 + 11 tokens, once
+    whole = RelayCache.from_prefix(model, torch.cat([system, doc_b]))
+    for mine, ref in zip(cache.layers, whole.layers):  # doc_b's KV: computed after the system prompt's
+        torch.testing.assert_close(mine.prefix_keys[:, :, 26:35], ref.prefix_keys[:, :, 20:], atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(mine.prefix_values[:, :, :20], ref.prefix_values[:, :, :20])
+    with pytest.raises(ValueError, match="fork"):
+        cache.fork()
+    with pytest.raises(ValueError, match="suffix_padding"):
+        cache.fork(paths=[(0,), (3,)])
+    fork = cache.fork(paths=[(0, 1), (3,), (0,)], suffix_padding=torch.tensor([0, 2, 1]))
+    assert fork.groups.prefix_lengths == (26, 11, 20) and fork.prefix_length == 26 and fork.get_seq_length() == 26
+    assert fork.layers[0].prefix_keys is cache.layers[0].prefix_keys  # shared, not copied
+    k = torch.randn(3, H, 4, D)
+    fork.layers[0].append(k, k)
+    fork.reorder_cache(torch.tensor([2, 0, 0]))
+    assert fork.groups.paths == ((0,), (0, 1), (0, 1))
+    fork.batch_repeat_interleave(2)
+    assert fork.groups.rows == 6 and fork.layers[0].keys.shape[0] == 6
+    with pytest.raises(ValueError, match="non-empty list"):
+        RelayCache.from_prefixes(model, [])
+
+
+def test_a_static_cache_of_several_prefixes_holds_room_and_is_refilled_for_what_fits(model):
+    g = torch.Generator().manual_seed(8)
+    a, b, c = (torch.randint(3, 200, (n,), generator=g) for n in (30, 12, 20))
+    base = RelayCache.from_prefixes(model, [a, b])
+    pads = torch.tensor([0, 1, 2, 0])
+    static = base.fork(max_suffix_length=64, suffix_padding=pads, paths=[(0,), (1,), (0,), (1,)])
+    lay = static.layers[0]
+    assert static.is_static and lay.prefix_keys.shape[2] == 256 and lay.groups.segments_per_level == 4
+    k = torch.randn(4, lay.prefix_keys.shape[1], 3, lay.prefix_keys.shape[3])
+    lay.update(k, k)  # allocate the suffix buffers
+    other = RelayCache.from_prefixes(model, [c, a, b])
+    paths = [(2,), (0,), (1,), (0,)]
+    assert static.can_refill(other, 4, 64, paths=paths)
+    one = RelayCache.from_prefix(model, a)
+    assert not static.can_refill(one, 4, 64, paths=[(0,)] * 4)  # one prompt for every row: the ungrouped kernels
+    assert not static.can_refill(RelayCache.from_prefixes(model, [a, torch.cat([a, c])]), 4, 64,
+                                 paths=[(0, 1), (0,), (0, 1), (0,)])  # two levels
+    static.refill(other, pads, paths)
+    assert lay.suffix_length == 0 and lay.groups.paths == tuple(paths) and lay.groups.segments_per_level == 4
+    torch.testing.assert_close(lay.prefix_keys[:, :, :62], other.layers[0].prefix_keys)

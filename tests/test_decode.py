@@ -20,7 +20,7 @@ from transformers.generation.streamers import BaseStreamer
 
 import relay_hf
 from relay_hf.decode import DEFAULT_DECODE, DecodeConfig
-from tests.helpers import VOCAB, run_stock, shared_prefix_batch, tiny_model
+from tests.helpers import VOCAB, grouped_batch, run_stock, shared_prefix_batch, tiny_model
 
 GRAPH = dict(min_prefix_length=8, decode="graph")
 
@@ -536,3 +536,35 @@ def test_eos_ban_and_eos_ids_follow_stock(gen):
     stock, draw = run_stock(model, ids, mask, **gen), torch.rand(3)
     assert torch.equal(_loop(model, ids, mask, **gen), stock) and torch.equal(torch.rand(3), draw)
     assert model.relay_last_decision.fast_decode
+
+
+# -- several system prompts ----------------------------------------------------------------------------------------
+@pytest.mark.parametrize("gen", [dict(max_new_tokens=8, do_sample=False),
+                                 dict(max_new_tokens=8, do_sample=True, top_p=0.9, temperature=0.8),
+                                 dict(max_new_tokens=6, do_sample=True, num_return_sequences=2)],
+                         ids=["greedy", "sampled", "return_sequences"])
+def test_the_loop_serves_several_prompts_with_stock_tokens_and_rng(arch_model, gen):
+    ids, mask, _, _ = grouped_batch(seed=50)
+    _assert_loop_equals_stock(arch_model, ids, mask, **gen)
+    assert len(arch_model.relay_last_decision.groups) == 4
+    assert arch_model._relay_state.idle_static().cache.groups.depth == 2
+
+
+def test_one_static_slot_serves_the_next_grouping_that_fits_it():
+    """Calls whose rows read other prompts (as many levels, no more segments per level than the slot planned for)
+    refill the same static cache and replay its step: packed prefixes and kernel tables are rewritten in place. A
+    call of one prompt runs the ungrouped kernels, on a slot of its own."""
+    model = tiny_model("llama")
+    gen = dict(max_new_tokens=6, do_sample=False)
+    batches = [grouped_batch(seed=51)[:2], grouped_batch(seed=52, prompts=(30, 20, 10), rows=(3, 2, 2))[:2],
+               grouped_batch(seed=53, prompts=(44, 18), rows=(3, 3), none=2)[:2]]
+    stock = [run_stock(model, ids, mask, **gen) for ids, mask in batches]
+    slots = []
+    for (ids, mask), out in zip(batches, stock, strict=True):
+        assert torch.equal(_loop(model, ids, mask, **gen), out)
+        slot = model._relay_state.idle_static()
+        slots.append((slot, slot.stepper))
+    assert slots[1] == slots[0] and slots[2] == slots[0]
+    ids, mask, _ = shared_prefix_batch(seed=54, suffix_lens=(3, 9, 1, 6, 2))
+    _assert_loop_equals_stock(model, ids, mask, **gen)  # one prompt again: an ungrouped slot of its own
+    assert model._relay_state.idle_static() is not slots[0][0]

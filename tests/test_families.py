@@ -8,7 +8,7 @@ import torch
 import transformers
 
 import relay_hf
-from tests.helpers import VOCAB, run_stock, shared_prefix_batch
+from tests.helpers import VOCAB, grouped_batch, run_stock, shared_prefix_batch
 
 WINDOW = 8
 COMMON = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2,
@@ -52,6 +52,22 @@ def test_relay_gives_stock_tokens_with_a_window_shorter_than_the_prefix(family, 
     assert torch.equal(out, stock)
 
 
+@pytest.mark.parametrize("decode", ["auto", "graph"])
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_several_prompts_under_a_short_window_give_stock_tokens(family, decode):
+    """Rows under three prompts (40, 24 and 16 tokens), a second level and a row with none: each row's window is
+    applied at its own absolute positions, in every segment it reads."""
+    model = _model(family)
+    ids, mask, _, _ = grouped_batch(seed=33)
+    gen = dict(max_new_tokens=8, do_sample=False)
+    stock = run_stock(model, ids, mask, **gen)
+    relay_hf.patch(model, min_prefix_length=8, decode=decode)
+    out = model.generate(ids, attention_mask=mask, **gen)
+    decision = model.relay_last_decision
+    assert decision.used and len(decision.groups) == 4 and decision.fast_decode == (decode == "graph"), decision
+    assert torch.equal(out, stock)
+
+
 def test_sampling_with_sinks_and_a_window_on_relay_hf_loop():
     model = _model("gpt_oss")
     ids, mask, _ = shared_prefix_batch(seed=32)
@@ -61,12 +77,6 @@ def test_sampling_with_sinks_and_a_window_on_relay_hf_loop():
     torch.manual_seed(3)
     out = model.generate(ids, attention_mask=mask, **gen)
     assert model.relay_last_decision.fast_decode and torch.equal(out, stock) and torch.equal(torch.rand(3), draw)
-
-
-def test_what_only_the_reference_computes_is_recorded_at_patch_time():
-    assert relay_hf.patch(_model("gemma2"))._relay_state.reference_only == "attention logit softcapping"
-    assert relay_hf.patch(_model("gpt_oss"))._relay_state.reference_only == "attention sinks"
-    assert relay_hf.patch(_model("mistral"))._relay_state.reference_only is None  # a window is judged per call
 
 
 def test_the_options_change_what_stock_computes_here():

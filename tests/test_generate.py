@@ -14,7 +14,15 @@ from transformers import GenerationConfig
 import relay_hf
 from relay_hf import RelayCache
 from relay_hf._compat import output_cache
-from tests.helpers import VOCAB, run_relay, run_stock, shared_prefix_batch, stock_and_relay, tiny_model
+from tests.helpers import (
+    VOCAB,
+    grouped_batch,
+    run_relay,
+    run_stock,
+    shared_prefix_batch,
+    stock_and_relay,
+    tiny_model,
+)
 
 
 def _cache_state(cache: RelayCache):
@@ -651,3 +659,118 @@ def test_a_copied_eager_model_keeps_its_own_attention():
 def test_a_compiled_wrapper_is_refused_by_name():
     with pytest.raises(ValueError, match="torch.compile wrapper"):
         relay_hf.patch(torch.compile(tiny_model("llama")))
+
+
+# -- several system prompts in one batch ----------------------------------------------------------------------------
+def test_several_system_prompts_a_second_level_and_rows_with_none_give_stock_tokens(arch_model):
+    ids, mask, systems, block = grouped_batch(seed=40)
+    gen = dict(max_new_tokens=6, do_sample=False, output_scores=True)
+    stock, relay = stock_and_relay(arch_model, ids, mask, **gen)
+    decision = arch_model.relay_last_decision
+    assert decision.used and decision.prefix_length == 52
+    # (level, rows, tokens) per shared segment: three prompts, the block under the first, the row with none reads none
+    assert sorted(decision.groups) == sorted([(0, 3, 40), (0, 2, 24), (0, 2, 16), (1, 2, 12)])
+    assert torch.equal(stock.sequences, relay.sequences)
+    assert all(torch.allclose(a, b, atol=1e-5) for a, b in zip(stock.scores, relay.scores, strict=True))
+    cache = output_cache(relay)
+    assert cache.groups is not None and cache.groups.depth == 2
+    assert cache.layers[0].prefix_keys.shape[2] == 40 + 24 + 16 + 12  # every segment stored once
+
+
+@pytest.mark.parametrize("gen", [dict(num_beams=2, num_return_sequences=2), dict(do_sample=True, top_k=8),
+                                 dict(do_sample=True, num_return_sequences=2), dict(max_length=60, min_length=50),
+                                 dict(min_new_tokens=4, max_new_tokens=5)],
+                         ids=["beams", "sampling", "return_sequences", "max_and_min_length", "min_new_tokens"])
+def test_groups_with_beams_sampling_and_total_lengths_give_stock_tokens(gen):
+    """Rows of several prefix lengths lay out in more columns than the stock prompt: a total ``max_length`` /
+    ``min_length`` still means what it means to stock; beams reorder the rows' groups with their suffixes."""
+    model = tiny_model("qwen2")
+    ids, mask, _, _ = grouped_batch(seed=41)
+    stock, relay = run_stock(model, ids, mask, seed=5, **gen), run_relay(model, ids, mask, seed=5, **gen)
+    assert model.relay_last_decision.used and len(model.relay_last_decision.groups) == 4
+    assert torch.equal(stock, relay)
+
+
+def test_user_processor_streamer_and_criteria_see_stock_layout_with_groups():
+    from transformers import LogitsProcessor, StoppingCriteria
+
+    seen = {"stock": [], "relay": []}
+    streamed = {"stock": [], "relay": []}
+
+    class Watch(LogitsProcessor):
+        def __init__(self, key):
+            self.key = key
+
+        def __call__(self, input_ids, scores):
+            seen[self.key].append(input_ids.clone())
+            return scores
+
+    class Never(StoppingCriteria):
+        def __call__(self, input_ids, scores, **kwargs):
+            return torch.zeros(input_ids.shape[0], dtype=torch.bool)
+
+    class Streamer:
+        def __init__(self, key):
+            self.key = key
+
+        def put(self, value):
+            streamed[self.key].append(value.clone())
+
+        def end(self):
+            pass
+
+    model = tiny_model("llama")
+    ids, mask, _, _ = grouped_batch(seed=42)
+    for key, run in (("stock", run_stock), ("relay", run_relay)):
+        run(model, ids, mask, max_new_tokens=4, do_sample=False, logits_processor=[Watch(key)],
+            stopping_criteria=[Never()], streamer=Streamer(key))
+    assert model.relay_last_decision.used
+    assert len(seen["relay"]) == 4 and all(torch.equal(a, b) for a, b in zip(seen["stock"], seen["relay"]))
+    assert all(torch.equal(a, b) for a, b in zip(streamed["stock"], streamed["relay"], strict=True))
+
+
+def test_a_cache_of_several_prefixes_serves_each_row_its_longest_and_refuses_a_row_with_none():
+    model = tiny_model("phi3")
+    ids, mask, systems, block = grouped_batch(seed=43, none=0)
+    stock = run_stock(model, ids, mask, max_new_tokens=5, do_sample=False)
+    relay_hf.patch(model, min_prefix_length=8)
+    cache = RelayCache.from_prefixes(model, [systems[0], torch.cat([systems[0], block]), systems[1], systems[2]])
+    assert cache.tree.parents == (-1, 0, -1, -1) and cache.prefix_ids is None
+    assert cache.layers[0].prefix_keys.shape[2] == 40 + 12 + 24 + 16
+    before = cache.layers[0].prefix_keys.clone()
+    for _ in range(2):
+        out = model.generate(ids, attention_mask=mask, max_new_tokens=5, do_sample=False, past_key_values=cache)
+        assert torch.equal(out, stock) and model.relay_last_decision.used
+    assert torch.equal(cache.layers[0].prefix_keys, before) and cache.layers[0].suffix_length == 0
+    with_none, none_mask, _, _ = grouped_batch(seed=43, none=1)
+    with pytest.raises(ValueError, match="starts with none of the RelayCache's 4 prefixes"):
+        model.generate(with_none, attention_mask=none_mask, max_new_tokens=5, past_key_values=cache)
+    assert model.generate(ids, attention_mask=mask, max_new_tokens=5, do_sample=False).shape == stock.shape
+    combined = RelayCache.combine([RelayCache.from_prefix(model, s) for s in systems])
+    assert combined.tree.lengths == (40, 24, 16)
+    out = model.generate(ids, attention_mask=mask, max_new_tokens=5, do_sample=False, past_key_values=combined)
+    assert torch.equal(out, stock)
+
+
+def test_an_unpatched_model_reads_a_fork_of_several_prefixes_exactly():
+    """A fork whose rows read different prefixes, handed to a model's plain forward without relay attention, gives
+    each row its own prefix (gathered), so stock attention computes the same logits."""
+    model = tiny_model("llama")
+    ids, mask, systems, block = grouped_batch(seed=44, none=0)
+    relay_hf.patch(model, min_prefix_length=8)
+    cache = RelayCache.from_prefixes(model, [systems[0], torch.cat([systems[0], block]), systems[1], systems[2]])
+    relay_hf.unpatch(model)
+    from relay_hf.prefix import left_padding, relay_layout
+
+    n_pad = left_padding(mask)
+    paths = cache.tree.match(ids, n_pad)
+    lengths = [sum(cache.tree.lengths[j] for j in p) for p in paths]
+    layout = relay_layout(ids, mask, n_pad, lengths)
+    fork = cache.fork(suffix_padding=layout.suffix_padding, paths=paths)
+    positions = (layout.mask.cumsum(-1) - 1).clamp(min=0)
+    P = layout.prefix_columns
+    with torch.no_grad():
+        relay = model(layout.ids[:, P:], attention_mask=layout.mask, position_ids=positions[:, P:],
+                      past_key_values=fork).logits[:, -1]
+        stock = model(ids, attention_mask=mask).logits[:, -1]
+    torch.testing.assert_close(relay, stock, atol=1e-5, rtol=1e-4)

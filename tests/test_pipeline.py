@@ -293,3 +293,84 @@ def test_a_pipeline_let_go_of_during_another_patch_does_not_deadlock():
     worker.join(timeout=10)
     assert not worker.is_alive(), "letting go of a pipeline deadlocked on the pipelines' lock"
     assert not relay_hf.is_patched(model)  # the last pipeline let go: the patch is undone
+
+
+# -- a system prompt per input --------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def prompts(system):
+    """Three system prompts of different lengths."""
+    return [system, "You are a pirate. Answer every question like one, in one short sentence, and never mention "
+                    "anything you cannot find in the manual of the espresso machine.", system.split("\n\n")[0]]
+
+
+def test_a_system_prompt_per_input_answers_as_stock_and_reads_each_once(smollm2, relay_pipe, prompts):
+    model, tokenizer = smollm2
+    per_input = [prompts[0], prompts[1], prompts[2], prompts[1], prompts[0], prompts[2]]
+    questions = QS + QUESTIONS[4:6]
+    got = relay_pipe(questions, system_prompt=per_input, batch_size=6, **GEN)
+    decision = relay_pipe.model.relay_last_decision
+    assert decision.used and sorted(rows for _, rows, _ in decision.groups) == [2, 2, 2]
+    assert relay_pipe.kept_system_prompts() == 3
+    relay_hf.unpatch(model)
+    stock = transformers.pipeline("text-generation", model=model, tokenizer=tokenizer)
+    expected = stock([chats(s, [q])[0] for s, q in zip(per_input, questions)], batch_size=6, **GEN)
+    assert got == expected
+
+
+def test_kept_system_prompts_are_reused_across_calls_within_the_byte_budget(smollm2, relay_pipe, prompts,
+                                                                          monkeypatch):
+    built = []
+    original = pipeline_module.RelayCache.from_prefix
+
+    def counting(model, ids):
+        built.append(len(ids))
+        return original(model, ids)
+
+    monkeypatch.setattr(pipeline_module.RelayCache, "from_prefix", staticmethod(counting))
+    relay_pipe(QS[:2], system_prompt=prompts[:2], batch_size=2, max_new_tokens=1, do_sample=False)
+    relay_pipe(QS[:2], system_prompt=prompts[1::-1], batch_size=2, max_new_tokens=1, do_sample=False)
+    assert len(built) == 2  # both prefilled once, then reused
+    one = relay_pipe.prefix_cache(prompts[0]).prefix_nbytes()
+    relay_pipe.prefix_cache_bytes = one  # room for one prompt: the least recently used goes
+    relay_pipe(QS[:2], system_prompt=[prompts[2], prompts[2]], batch_size=2, max_new_tokens=1, do_sample=False)
+    assert relay_pipe.kept_system_prompts() == 1 and len(built) == 3
+    relay_pipe(QS[:2], system_prompt=prompts[:2], batch_size=2, max_new_tokens=1, do_sample=False)
+    assert len(built) == 5  # evicted ones are prefilled again; a batch keeps its own prompts while it runs
+
+
+def test_a_batch_with_a_row_under_no_system_prompt_finds_its_own_groups(smollm2, relay_pipe, prompts):
+    model, tokenizer = smollm2
+    per_input = [prompts[0], None, prompts[0], prompts[1], prompts[1]]
+    questions = QUESTIONS[:5]
+    got = relay_pipe(questions, system_prompt=per_input, batch_size=5, **GEN)
+    decision = relay_pipe.model.relay_last_decision
+    assert decision.used and len(decision.groups) >= 2
+    relay_hf.unpatch(model)
+    stock = transformers.pipeline("text-generation", model=model, tokenizer=tokenizer)
+    conversations = [chats(s, [q])[0] if s is not None else q for s, q in zip(per_input, questions)]
+    assert got == [stock(c, **GEN) for c in conversations]
+
+
+def test_chats_bring_their_own_system_prompts(smollm2, relay_pipe, prompts):
+    conversations = [chats(prompts[i % 2], [q])[0] for i, q in enumerate(QUESTIONS[:4])]
+    got = relay_pipe(_dataset("messages", conversations), batch_size=4, **GEN)
+    assert relay_pipe.model.relay_last_decision.used and len(relay_pipe.model.relay_last_decision.groups) == 2
+    model, tokenizer = smollm2
+    relay_hf.unpatch(model)
+    stock = transformers.pipeline("text-generation", model=model, tokenizer=tokenizer)
+    assert list(got) == list(stock(_dataset("messages", conversations), batch_size=4, **GEN))
+
+
+@pytest.mark.parametrize("call, match", [
+    (lambda pipe, s: pipe(QS[:2], system_prompt=s[:1]), "1 system prompts for 2 inputs"),
+    (lambda pipe, s: pipe((q for q in QS[:2]), system_prompt=s[:2]), "list of inputs"),
+    (lambda pipe, s: pipe(chats(s[0], QS[:1])[0], system_prompt=s[1:2]), "list of inputs"),
+    (lambda pipe, s: pipe(chats(s[0], QS[:2]), system_prompt=s[1:3]), "its own system message"),
+    (lambda pipe, s: pipe(QS[:2], system_prompt=[s[0], 3]), "must be a string or None"),
+    (lambda pipe, s: pipe((q for q in QS[:2]), system_prompt=s[0]), "generators and datasets"),
+])
+def test_bad_system_prompts_are_refused_by_name_and_the_pipeline_stays_usable(relay_pipe, prompts, stock_answers,
+                                                                              call, match):
+    with pytest.raises(ValueError, match=match):
+        call(relay_pipe, prompts)
+    assert relay_pipe(QS[:1], batch_size=1, **GEN) == stock_answers[1][:1]

@@ -244,3 +244,44 @@ def test_compiled_relay_agrees_with_stock_in_bf16_on_gpu(smollm2, system_prompt,
                            cache_implementation="static")
     print(f"bf16 GPU agreement with stock's batched run, {len(QUESTIONS + MORE_QUESTIONS)} rows x 64 tokens: {rates}")
     assert rates["relay_forced"] >= rates["stock_self_forced"] - BF16_NOISE
+
+
+def _other_prompts(system_prompt: str) -> tuple[str, str, str]:
+    """Two more system prompts (the manual's sections in another order under another intro, and a short one) and a
+    block of the manual that some questions quote: distinct texts of different lengths."""
+    intro, _, manual = system_prompt.partition("\n\n# ")
+    sections = manual.split("\n## ")
+    second = ("You are the Northwind returns desk. Answer from the manual excerpts below, in one sentence.\n\n## "
+              + "\n## ".join(reversed(sections[1:5])))
+    third = ("You are a terse assistant for Northwind Appliances. Reply in at most ten words. Never mention prices "
+             "or part numbers, and refer anything about repairs to support@northwind.example.")
+    block = "Here is the part of the manual my question is about:\n## " + sections[3] + "\n\nMy question: "
+    return second, third, block
+
+
+@pytest.mark.slow
+def test_three_system_prompts_a_second_level_and_a_row_with_none_equal_stock(smollm2, system_prompt):
+    """One batch under three system prompts of different lengths (2 to 5 rows each), three rows of the first also
+    quoting one block of the manual (a second level), and a plain-text row that shares nothing: greedy fp32 tokens
+    are stock's batched generate's, and each shared part is prefilled and read once."""
+    model, tokenizer = smollm2
+    second, third, block = _other_prompts(system_prompt)
+    texts = ([render(tokenizer, system_prompt, q) for q in QUESTIONS[:2]]
+             + [render(tokenizer, system_prompt, block + q) for q in QUESTIONS[2:5]]
+             + [render(tokenizer, second, q) for q in MORE_QUESTIONS[:2]]
+             + [render(tokenizer, third, q) for q in MORE_QUESTIONS[2:5]]
+             + ["Question: " + QUESTIONS[5] + "\nAnswer:"])
+    order = [0, 5, 7, 1, 2, 6, 8, 3, 10, 4, 9]  # interleaved, as a dataset would bring them
+    batch = tokenizer([texts[i] for i in order], return_tensors="pt", padding=True)
+    stock = model.generate(**batch, max_new_tokens=16, do_sample=False)
+    relay_hf.patch(model)
+    try:
+        out = model.generate(**batch, max_new_tokens=16, do_sample=False)
+        decision = model.relay_last_decision
+    finally:
+        relay_hf.unpatch(model)
+    assert decision.used, decision
+    levels = sorted((level, rows) for level, rows, _ in decision.groups)
+    assert levels == [(0, 2), (0, 3), (0, 5), (1, 3)], decision.groups
+    assert min(tokens for _, _, tokens in decision.groups) >= 32
+    assert torch.equal(out, stock)

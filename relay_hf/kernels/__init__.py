@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from .reference import default_scale, relay_attention_torch
+from .groups import GroupTables, PrefixGroups
+from .reference import check_prefix_groups, default_scale, relay_attention_torch
 
 _TRITON_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
@@ -52,14 +53,14 @@ def triton_serves(dtype: torch.dtype, head_dim: int, value_head_dim: int, scale:
 def relay_attention(query: torch.Tensor, prefix_key: torch.Tensor, prefix_value: torch.Tensor,
                     suffix_key: torch.Tensor, suffix_value: torch.Tensor, *, scale: float | None = None,
                     suffix_lengths: torch.Tensor | None = None, suffix_end: torch.Tensor | None = None,
-                    softcap: float | None = None, sinks: torch.Tensor | None = None, window: int | None = None
-                    ) -> torch.Tensor:
-    """Exact attention of a batch over ONE shared prefix plus each row's own suffix.
+                    softcap: float | None = None, sinks: torch.Tensor | None = None, window: int | None = None,
+                    prefix_groups: PrefixGroups | None = None) -> torch.Tensor:
+    """Exact attention of a batch over shared prefix KV, read once per batch, plus each row's own suffix.
 
     Args:
         query: ``[B, H_q, L_q, D]``. The ``L_q`` queries are the last ``L_q`` suffix positions of each row.
-        prefix_key: ``[1, H_kv, P, D]``, prefix_value: ``[1, H_kv, P, D_v]``: the shared system-prompt KV, a single
-            copy (``P`` may be 0).
+        prefix_key: ``[1, H_kv, P, D]``, prefix_value: ``[1, H_kv, P, D_v]``: the shared KV, a single copy (``P``
+            may be 0). Without ``prefix_groups`` every row reads all of it; with them it packs their segments.
         suffix_key: ``[B, H_kv, L_s, D]``, suffix_value: ``[B, H_kv, L_s, D_v]``, left-padded: row ``b``'s valid
             tokens are its last ``suffix_lengths[b]`` positions. ``D_v`` may differ from ``D`` (MLA: DeepSeek-V3,
             MiniCPM3).
@@ -70,47 +71,65 @@ def relay_attention(query: torch.Tensor, prefix_key: torch.Tensor, prefix_value:
             (preallocated, CUDA-graph friendly) suffix buffers: only the first ``end`` positions are filled, the
             queries are positions ``end - L_q ... end - 1`` and ``suffix_lengths`` counts the valid positions ending
             at ``end``. Read on the device, so a captured graph replays correctly as ``end`` grows.
-
         softcap: every score becomes ``softcap * tanh(score / softcap)`` before the softmax (Gemma 2), or ``None``.
         sinks: ``[H_q]`` floating point, one logit per query head that joins the softmax denominator once with no
             value (gpt-oss), or ``None``.
-        window: a sliding window: a query at absolute position ``t`` (the prefix holds positions ``0 .. P - 1``, a
-            row's valid suffix tokens the next ones) sees only keys at positions ``> t - window``, so its prefix part
-            covers ``[max(0, t - window + 1), P)``; ``None``: no window.
+        window: a sliding window: a query at absolute position ``t`` (a row's prefix holds positions ``0 .. P_b -
+            1``, its valid suffix tokens the next ones) sees only keys at positions ``> t - window``, so its prefix
+            part covers ``[max(0, t - window + 1), P_b)``; ``None``: no window.
+        prefix_groups: several shared prefixes in one batch (``PrefixGroups``): the segments packed in
+            ``prefix_key`` and, per row, the segments it reads (its path: a system prompt, then maybe a document
+            shared by some of that prompt's rows), each segment read once per batch for all its rows; ``None``:
+            one prefix for every row.
 
-    Every query sees the whole prefix and, causally, the valid part of its own suffix (both within ``window``).
-    ``H_q`` must be a multiple of ``H_kv`` (GQA). All tensors share one dtype (fp16, bf16, fp32 or fp64) and device.
+    Every query sees its prefix and, causally, the valid part of its own suffix (both within ``window``). ``H_q``
+    must be a multiple of ``H_kv`` (GQA). All tensors share one dtype (fp16, bf16, fp32 or fp64) and device.
     Shapes, dtypes and devices are checked always (``ValueError`` naming the argument); the values of
     ``suffix_lengths`` and ``suffix_end`` only where that costs no host sync (CPU tensors, eager): on CUDA they are
     the caller's contract, and out of range the kernels still read nothing outside the buffers.
 
     Returns:
         ``[B, H_q, L_q, D_v]`` in ``query.dtype`` (empty when ``B``, ``H_q``, ``L_q`` or ``D_v`` is 0). A query that
-        sees no key at all (``P == 0`` and an empty row) gets zeros, never NaN.
+        sees no key at all (no prefix and an empty row) gets zeros, never NaN.
 
     CUDA tensors go to the Triton kernels when ``relay_hf.kernels.triton_relay`` can run them (``triton_serves``);
-    everything else (CPU, fp64, ``D_v != D``, a non-positive ``scale``, and for now ``softcap``, ``sinks`` and
-    ``window``) runs the PyTorch reference, whose numerics the kernels are tested against. Eager CUDA calls launch
-    the kernels directly; under ``torch.compile``, or with inputs that require grad, they go through the custom op
-    ``torch.ops.relay_hf.relay_attention``.
+    everything else (CPU, fp64, ``D_v != D``, a non-positive ``scale``) runs the PyTorch reference, whose numerics the
+    kernels are tested against. Eager CUDA calls launch the kernels directly; under ``torch.compile``, or with inputs
+    that require grad, they go through the custom op ``torch.ops.relay_hf.relay_attention``.
     """
-    options = softcap is not None or sinks is not None or window is not None  # the reference's alone, for now
-    if query.is_cuda and not options and triton_serves(query.dtype, query.shape[-1], prefix_value.shape[-1], scale):
+    if query.is_cuda and triton_serves(query.dtype, query.shape[-1], prefix_value.shape[-1], scale):
         kernel_scale = default_scale(query.shape[-1]) if scale is None else float(scale)
-        if not _plain_eager(query, prefix_key, prefix_value, suffix_key, suffix_value, suffix_lengths, suffix_end):
+        if not _plain_eager(query, prefix_key, prefix_value, suffix_key, suffix_value, suffix_lengths, suffix_end,
+                            sinks):
             if _triton_ok():
                 from .op import relay_attention_op
 
+                tables = _tables_for_op(query, suffix_key.shape[1], prefix_key.shape[2], prefix_groups)
                 return relay_attention_op(query, prefix_key, prefix_value, suffix_key, suffix_value, kernel_scale,
-                                          suffix_lengths, suffix_end)
+                                          suffix_lengths, suffix_end, softcap, sinks, window, *tables)
         elif _eager_kernel():
             # the same kernels without the custom op's dispatch, which costs more host time than the whole launch
             # (docs/performance.md)
             return _EAGER_KERNEL(query, prefix_key, prefix_value, suffix_key, suffix_value, scale=kernel_scale,
-                                 suffix_lengths=suffix_lengths, suffix_end=suffix_end)
+                                 suffix_lengths=suffix_lengths, suffix_end=suffix_end, softcap=softcap, sinks=sinks,
+                                 window=window, prefix_groups=prefix_groups)
     return relay_attention_torch(query, prefix_key, prefix_value, suffix_key, suffix_value, scale=scale,
                                  suffix_lengths=suffix_lengths, suffix_end=suffix_end, softcap=softcap, sinks=sinks,
-                                 window=window)
+                                 window=window, prefix_groups=prefix_groups)
 
 
-__all__ = ["relay_attention", "relay_attention_torch", "triton_serves"]
+def _tables_for_op(query: torch.Tensor, H_kv: int, P: int, groups: PrefixGroups | None) -> tuple:
+    """The custom op's group arguments: ``(items, rows, row_prefix, [levels, segments])`` for this call's launch
+    shape, or four ``None``."""
+    if groups is None:
+        return None, None, None, None
+    from .triton_relay import _ACTIVE_CONFIG, grouped_launch_shape
+
+    check_prefix_groups(groups, query.shape[0], P)
+    B, H_q, L_q, D = query.shape
+    folded = H_q // max(1, H_kv) * L_q
+    block_m, items = grouped_launch_shape(B * folded, D, groups, _ACTIVE_CONFIG.get())
+    return (*groups.tables(query.device, block_m, folded, items), [groups.depth, groups.segments_per_level])
+
+
+__all__ = ["GroupTables", "PrefixGroups", "relay_attention", "relay_attention_torch", "triton_serves"]

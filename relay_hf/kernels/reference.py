@@ -17,6 +17,8 @@ import dataclasses
 
 import torch
 
+from .groups import PrefixGroups
+
 # torch's fused flash-attention CPU kernel, which returns the natural-log LSE the merge needs (see ReferenceConfig)
 HAS_CPU_FLASH = hasattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu")
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
@@ -281,6 +283,13 @@ def add_sinks(out: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor) -> tupl
     return merge_partials(out, lse, torch.zeros_like(out), sink)
 
 
+def check_prefix_groups(groups, B: int, P: int) -> None:
+    """Raise ``ValueError`` unless ``groups`` is a ``PrefixGroups`` for ``B`` rows over ``P`` packed positions."""
+    if not isinstance(groups, PrefixGroups):
+        raise ValueError(f"prefix_groups must be a relay_hf.kernels.PrefixGroups, got {type(groups).__name__}")
+    groups.check(B, P)
+
+
 def check_relay_options(query: torch.Tensor, softcap: float | None, sinks: torch.Tensor | None,
                         window: int | None) -> None:
     """Raise ``ValueError`` naming the option that does not fit: ``softcap > 0``, ``sinks [H_q]`` floating point on
@@ -295,26 +304,61 @@ def check_relay_options(query: torch.Tensor, softcap: float | None, sinks: torch
         raise ValueError(f"window must be a positive int or None, got {window!r}")
 
 
-def _prefix_start(prefix_length: int, L_q: int, L_s: int, suffix_lengths: torch.Tensor | None,
+def _prefix_start(prefix_length, L_q: int, L_s: int, suffix_lengths: torch.Tensor | None,
                   suffix_end: torch.Tensor | None, window: int, B: int, device) -> torch.Tensor:
-    """``[B, L_q]`` int64: the first prefix position each query sees under a sliding ``window``. Query ``i`` of row
-    ``b`` is the row's token ``n_b - L_q + i`` after the prefix (``n_b`` its valid suffix tokens), so it sits at
-    absolute position ``t = P + n_b - L_q + i`` and sees prefix positions ``>= t - window + 1``."""
+    """``[B, L_q]`` int64: the first absolute position each query sees under a sliding ``window``. Query ``i`` of row
+    ``b`` is the row's token ``n_b - L_q + i`` after its prefix (``n_b`` its valid suffix tokens; ``prefix_length`` an
+    int, or ``[B]`` per row for grouped prefixes), so it sits at absolute position ``t = P_b + n_b - L_q + i`` and sees
+    positions ``>= t - window + 1``."""
     if suffix_lengths is not None:
         n = suffix_lengths.long()  # [B]
     elif suffix_end is not None:
         n = suffix_end.reshape(()).long().expand(B)  # every filled position is valid
     else:
         n = torch.full((B,), L_s, device=device)
-    t = prefix_length + n[:, None] - L_q + torch.arange(L_q, device=device)[None]  # [B, L_q]
+    base = torch.as_tensor(prefix_length, device=device).long().reshape(-1, 1)  # [1, 1] or [B, 1]
+    t = base + n[:, None] - L_q + torch.arange(L_q, device=device)[None]  # [B, L_q]
     return t - window + 1
+
+
+def grouped_prefix_attention_torch(query: torch.Tensor, prefix_key: torch.Tensor, prefix_value: torch.Tensor,
+                                   scale: float, groups: PrefixGroups,
+                                   config: ReferenceConfig = DEFAULT_REFERENCE_CONFIG, softcap: float | None = None,
+                                   first_position: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention of each row against the packed segments it reads (``groups``), merged over its levels.
+
+    Args:
+        query: ``[B, H_q, L_q, D]``; prefix_key ``[1, H_kv, P_packed, D]`` / prefix_value ``[1, H_kv, P_packed, D_v]``:
+            segment ``j`` at ``groups.offsets[j]``.
+        first_position: ``[B, L_q]`` int64, the first absolute position each query sees (a sliding window), or
+            ``None``.
+
+    Returns ``out [B, H_q, L_q, D_v]`` (accumulation dtype) and ``lse [B, H_q, L_q]`` (natural log, ``-inf`` for a
+    row that reads no segment). Each segment runs ``prefix_attention_torch`` once for all its rows, so it is read
+    once per batch.
+    """
+    B, H_q, L_q, _ = query.shape
+    acc = _acc_dtype(query.dtype)
+    out = torch.zeros(B, H_q, L_q, prefix_value.shape[-1], dtype=acc, device=query.device)
+    lse = torch.full((B, H_q, L_q), float("-inf"), dtype=acc, device=query.device)
+    for j, rows in enumerate(groups.segment_rows):
+        off, length = groups.offsets[j], groups.lengths[j]
+        if not rows or not length:
+            continue
+        idx = torch.tensor(rows, device=query.device)
+        start = None if first_position is None else first_position[idx] - groups.bases[j]
+        o, l_ = prefix_attention_torch(query[idx], prefix_key[:, :, off:off + length],
+                                       prefix_value[:, :, off:off + length], scale, config, softcap, start)
+        out[idx], lse[idx] = merge_partials(out[idx], lse[idx], o, l_)
+    return out, lse
 
 
 def relay_attention_torch(query: torch.Tensor, prefix_key: torch.Tensor, prefix_value: torch.Tensor,
                           suffix_key: torch.Tensor, suffix_value: torch.Tensor, *, scale: float | None = None,
                           suffix_lengths: torch.Tensor | None = None, suffix_end: torch.Tensor | None = None,
                           softcap: float | None = None, sinks: torch.Tensor | None = None, window: int | None = None,
-                          config: ReferenceConfig | None = None) -> torch.Tensor:
+                          prefix_groups: PrefixGroups | None = None, config: ReferenceConfig | None = None
+                          ) -> torch.Tensor:
     """Relay attention in PyTorch; same contract as ``relay_hf.relay_attention``. ``config``: how the prefix pass
     computes (``DEFAULT_REFERENCE_CONFIG`` when ``None``).
 
@@ -329,14 +373,23 @@ def relay_attention_torch(query: torch.Tensor, prefix_key: torch.Tensor, prefix_
     check_relay_options(query, softcap, sinks, window)
     B, H_q, L_q, D = query.shape
     check_relay_values(L_q, suffix_key.shape[2], suffix_lengths, suffix_end)
+    if prefix_groups is not None:
+        check_prefix_groups(prefix_groups, B, prefix_key.shape[2])
     D_v = suffix_value.shape[-1]
     if B * H_q * L_q * D_v == 0:
         return query.new_zeros(B, H_q, L_q, D_v)
     scale = default_scale(D) if scale is None else scale
-    start = None if window is None else _prefix_start(prefix_key.shape[2], L_q, suffix_key.shape[2], suffix_lengths,
-                                                      suffix_end, window, B, query.device)
-    out_p, lse_p = prefix_attention_torch(query, prefix_key, prefix_value, scale,
-                                          DEFAULT_REFERENCE_CONFIG if config is None else config, softcap, start)
+    config = DEFAULT_REFERENCE_CONFIG if config is None else config
+    start = None
+    if window is not None:
+        lengths = prefix_key.shape[2] if prefix_groups is None else prefix_groups.prefix_lengths
+        start = _prefix_start(lengths, L_q, suffix_key.shape[2], suffix_lengths, suffix_end, window, B,
+                              query.device)
+    if prefix_groups is None:
+        out_p, lse_p = prefix_attention_torch(query, prefix_key, prefix_value, scale, config, softcap, start)
+    else:
+        out_p, lse_p = grouped_prefix_attention_torch(query, prefix_key, prefix_value, scale, prefix_groups, config,
+                                                      softcap, start)
     out_s, lse_s = suffix_attention_torch(query, suffix_key, suffix_value, scale, suffix_lengths, suffix_end,
                                           softcap, window)
     out, lse = merge_partials(out_p, lse_p, out_s, lse_s)

@@ -1,14 +1,16 @@
 """``softcap``, ``sinks`` and ``window`` (Gemma 2, gpt-oss, sliding-window layers) in relay attention, against a
 float64 oracle written from the definitions: each row's prefix and valid suffix tokens at their absolute positions,
-one softmax over the capped scores, the sink logit in its denominator."""
+one softmax over the capped scores, the sink logit in its denominator. The PyTorch reference on a fine grid; the
+Triton kernels (CPU interpreter, or CUDA) on every launch layout, with and without grouped prefixes."""
 
+import dataclasses
 import itertools
 
 import pytest
 import torch
 
-from relay_hf.kernels import relay_attention, relay_attention_torch
-from tests.helpers import make_inputs
+from relay_hf.kernels import PrefixGroups, relay_attention, relay_attention_torch, triton_relay
+from tests.helpers import make_inputs, oracle_attention, rel_err
 
 
 def _oracle(q, pk, pv, sk, sv, lengths, end, softcap, sinks, window):
@@ -91,3 +93,58 @@ def test_bad_options_name_themselves(kwargs, match):
     q, pk, pv, sk, sv, lengths = make_inputs(2, 2, 2, 1, 5, 4, 8, seed=0)
     with pytest.raises(ValueError, match=match):
         relay_attention(q, pk, pv, sk, sv, **kwargs)
+
+
+# -- the Triton kernels take the options (CPU interpreter on small shapes, CUDA at a decode shape) -----------------
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+KERNEL_TOL = {torch.float32: 1e-4, torch.bfloat16: 1e-2, torch.float16: 1e-2}
+# (launch layout, dtype, L_q, P, window, softcap, sinks, static end, grouped)
+KERNEL_GRID = [
+    ("separate", torch.float32, 1, 40, 9, None, False, False, False),
+    ("one_launch", torch.float32, 3, 40, 4, 2.5, True, False, False),
+    ("separate", torch.bfloat16, 1, 150, 70, 2.0, False, True, False),  # TMA tiles, capped
+    ("merge_launch", torch.float16, 2, 12, 40, None, True, True, False),
+    ("separate", torch.float32, 1, 0, 3, 1.5, True, False, False),
+    ("separate", torch.bfloat16, 1, 150, None, 3.0, True, False, False),
+    ("one_launch", torch.float32, 1, 40, 1, None, False, True, True),
+    ("separate", torch.float32, 2, 40, 13, 2.5, True, True, True),
+    ("merge_launch", torch.bfloat16, 1, 150, 30, None, True, False, True),
+]
+KERNEL_LAYOUTS = {"one_launch": dict(separate_rows=(0, -1)),
+                  "separate": dict(separate_rows=(1, 1 << 30), fused_merge_slots=32, fused_merge_tile=1 << 30),
+                  "merge_launch": dict(separate_rows=(1, 1 << 30), fused_merge_slots=0)}
+
+
+@pytest.mark.skipif(not triton_relay.triton_available(), reason="triton cannot run here")
+@pytest.mark.parametrize("launch,dtype,L_q,P,window,softcap,use_sinks,static,grouped", KERNEL_GRID)
+def test_kernel_options_match_the_float64_oracle(launch, dtype, L_q, P, window, softcap, use_sinks, static, grouped):
+    q, pk, pv, sk, sv, lengths = (t.to(DEVICE) for t in make_inputs(5, 2, 2, L_q, 12, P, 64, dtype=dtype,
+                                                                      padded=True, seed=P + L_q))
+    lengths = lengths.clamp(min=L_q)
+    end = None
+    if static:  # a static buffer filled to 9; what lies beyond is never read
+        end = torch.tensor([9], device=DEVICE)
+        lengths = lengths.clamp(max=9)
+        sk[:, :, 9:], sv[:, :, 9:] = float("nan"), float("nan")
+    groups = None
+    if grouped:  # two system prompts, a second level under the first, a row with none
+        groups = PrefixGroups([P // 2, P // 4, P - P // 2 - P // 4], [(0, 1), (2,), (0,), (), (0, 1)])
+    sinks = torch.randn(q.shape[1], generator=torch.Generator().manual_seed(P)).to(DEVICE) if use_sinks else None
+    config = dataclasses.replace(triton_relay.DEFAULT_CONFIG, **KERNEL_LAYOUTS[launch])
+    B, H_q, _, D = q.shape
+    out = torch.full((B, L_q, H_q, D), float("nan"), dtype=dtype, device=DEVICE).transpose(1, 2)
+    triton_relay.relay_attention_triton(q, pk, pv, sk, sv, suffix_lengths=lengths, suffix_end=end, softcap=softcap,
+                                        sinks=sinks, window=window, prefix_groups=groups, out=out, config=config)
+    ref = oracle_attention(q, pk, pv, sk, sv, lengths, end, softcap, sinks, window, groups)
+    assert torch.isfinite(out).all(), "unwritten (NaN) or non-finite output"
+    assert rel_err(out, ref) < KERNEL_TOL[dtype]
+
+
+def test_the_dispatcher_sends_options_to_the_kernels_on_cuda():
+    """Options no longer force the reference: on CUDA the op's output is the kernels' (their launch cache grows)."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    q, pk, pv, sk, sv, lengths = (t.cuda() for t in make_inputs(3, 2, 2, 1, 9, 40, 64, padded=True, seed=7))
+    before = len(triton_relay._LAUNCHES)
+    relay_attention(q, pk, pv, sk, sv, suffix_lengths=lengths, softcap=2.0, window=5, sinks=torch.zeros(4).cuda())
+    assert len(triton_relay._LAUNCHES) == before + 1

@@ -4,12 +4,14 @@
     python -m benchmarks.generate --model-shape tiny --device cpu --dtype float32 --prefix-len 32 --batch 2 \\
         --new-tokens 4 --reps 1                                    # the CPU smoke run (a few seconds)
 
-Workload: a system prompt of S tokens shared by B rows, each followed by its own U-token user prompt; no EOS (the
-model's ``eos_token_id`` is unset), so every call makes exactly ``max_new_tokens`` tokens. Modes:
+Workload: a system prompt of S tokens shared by B rows (``--groups g``: g system prompts of S tokens, the rows split
+evenly between them), each followed by its own U-token user prompt; no EOS (the model's ``eos_token_id`` is unset),
+so every call makes exactly ``max_new_tokens`` tokens. Modes:
 
 * ``stock``: ``model.generate(**inputs, max_new_tokens=N)`` (DynamicCache, eager).
 * ``prefix_reuse``: transformers' documented prefix-caching recipe: the system prompt prefilled once into a
-  DynamicCache (not timed), per call a deep copy expanded to the batch (timed) passed to ``generate``.
+  DynamicCache (not timed), per call a deep copy expanded to the batch (timed) passed to ``generate`` (one system
+  prompt only: the recipe has no way to give rows different ones).
 * ``static``: ``generate(..., cache_implementation="static")``: transformers' compiled decode.
 * ``relay``: ``relay_hf.patch(model)``, then plain ``generate`` (on CUDA: relay_hf's loop, CUDA graphs of the eager
   step).
@@ -34,6 +36,9 @@ hooked inside relay_hf or transformers. Per (mode, S, B) point, in this order:
   compile another loop, is ``sample_first_call``).
 * ``new_batch_first_call`` (s): then the first N-token call at another batch size (``--new-batch``, 3/4 of B).
 * ``longer_prompt_call`` (s): then the first N-token call at B rows with user prompts twice as long.
+* ``kv_memory`` (MiB): the KV the call holds when it ends, summed over the distinct storages of the cache a
+  ``return_dict_in_generate=True`` call hands back (prefix and suffix buffers of a ``RelayCache``; every row's
+  keys and values of stock's cache).
 * ``host`` (µs, relay modes on CUDA): one eager ``relay_hf.relay_attention`` call at this point's decode shape (one
   query per row, ``U + N`` suffix positions), timed over 300 calls with no synchronisation.
 
@@ -77,7 +82,15 @@ SHAPES = {
     "gemma3-270m": dict(config="Gemma3TextConfig", hidden_size=640, intermediate_size=2048, num_hidden_layers=18,
                         num_attention_heads=4, num_key_value_heads=1, head_dim=256, vocab_size=262144,
                         sliding_window=512, layer_types=(["sliding_attention"] * 5 + ["full_attention"]) * 3),
+    # Gemma 2 9B's shape: logit softcapping, sliding-window (4096) and global layers alternating; transformers runs
+    # softcapping in eager attention only
+    "gemma2-9b": dict(config="Gemma2Config", hidden_size=3584, intermediate_size=14336, num_hidden_layers=42,
+                      num_attention_heads=16, num_key_value_heads=8, head_dim=256, vocab_size=256000,
+                      sliding_window=4096, attn_logit_softcapping=50.0, final_logit_softcapping=30.0,
+                      query_pre_attn_scalar=256, attn_implementation="eager"),
 }
+# what a point measures (``--only`` picks some: a slow stock baseline need not run every call)
+METRIC_GROUPS = ("ttft", "step", "streamed", "sampling", "new_batch", "longer_prompt", "kv_memory", "host")
 MODES = ("stock", "prefix_reuse", "static", "relay", "relay_eager", "relay_compiled")
 SAMPLING = dict(do_sample=True, top_p=0.9, temperature=0.7)
 
@@ -89,8 +102,8 @@ def build_model(shape: str, device: torch.device, dtype: torch.dtype, max_positi
 
     spec = dict(SHAPES[shape])
     config = getattr(transformers, spec.pop("config", "LlamaConfig"))(
-        **spec, max_position_embeddings=max_positions, pad_token_id=0, bos_token_id=None, eos_token_id=None,
-        attn_implementation="sdpa")
+        **{"attn_implementation": "sdpa", **spec}, max_position_embeddings=max_positions, pad_token_id=0,
+        bos_token_id=None, eos_token_id=None)
     previous = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
@@ -103,9 +116,10 @@ def build_model(shape: str, device: torch.device, dtype: torch.dtype, max_positi
     return model
 
 
-def _kwargs_for(model, mode: str, system: torch.Tensor):
+def _kwargs_for(model, mode: str, system: torch.Tensor, stock_prefill_chunk: int | None = None):
     """Patch or unpatch ``model`` for ``mode``; return ``B -> generate kwargs`` (called inside the timed region: the
-    prefix-reuse copy belongs to the call)."""
+    prefix-reuse copy belongs to the call). ``stock_prefill_chunk``: stock's own chunked prefill
+    (``prefill_chunk_size``) for the stock mode, where a whole batch's eager-attention prefill does not fit."""
     from transformers import DynamicCache
 
     from relay_hf._compat import cache_kwarg_name
@@ -115,6 +129,8 @@ def _kwargs_for(model, mode: str, system: torch.Tensor):
         relay_hf.patch(model, decode="eager" if mode == "relay_eager" else "auto")
     if mode in ("static", "relay_compiled"):
         return lambda B: dict(cache_implementation="static")
+    if mode == "stock" and stock_prefill_chunk:
+        return lambda B: dict(prefill_chunk_size=stock_prefill_chunk)
     if mode == "prefix_reuse":
         name = cache_kwarg_name(model)
         prefilled = DynamicCache()
@@ -131,15 +147,33 @@ def _kwargs_for(model, mode: str, system: torch.Tensor):
 
 
 def _inputs(system: torch.Tensor, B: int, U: int, vocab: int, seed: int) -> dict:
+    """``B`` rows: row ``b`` under system prompt ``b * g // B`` of ``system [g, S]``, then ``U`` tokens of its own."""
     g = torch.Generator().manual_seed(seed)
     user = torch.randint(10, vocab, (B, U), generator=g).to(system.device)
-    ids = torch.cat([system.expand(B, -1), user], 1)  # [B, S + U]
+    which = torch.arange(B, device=system.device) * system.shape[0] // B
+    ids = torch.cat([system[which], user], 1)  # [B, S + U]
     return dict(input_ids=ids, attention_mask=torch.ones_like(ids))
 
 
-def _step_bytes(model, decision, S: int, U: int, B: int, tokens: float) -> int:
+def kv_bytes(cache) -> int:
+    """Bytes of the distinct storages behind a returned cache's tensors (a ``RelayCache``'s prefix and suffix buffers,
+    or every layer's keys and values)."""
+    seen, total = set(), 0
+    for layer in getattr(cache, "layers", []):
+        for name in ("prefix_keys", "prefix_values", "_kbuf", "_vbuf", "keys", "values"):
+            t = getattr(layer, name, None)
+            if isinstance(t, torch.Tensor) and t.numel():
+                storage = t.untyped_storage()
+                if storage.data_ptr() not in seen:
+                    seen.add(storage.data_ptr())
+                    total += storage.nbytes()
+    return total
+
+
+def _step_bytes(model, decision, S: int, U: int, B: int, tokens: float, groups: int = 1) -> int:
     """Bytes one decode step reads: every weight but the input embedding (a gather), and the KV the mode holds
-    after ``tokens`` generated tokens: one prefix copy plus B suffixes when relay served the call, else B rows."""
+    after ``tokens`` generated tokens: one copy of each of the ``groups`` prefixes plus B suffixes when relay served
+    the call, else B rows."""
     c = model.config
     weights = sum(p.numel() * p.element_size() for p in model.parameters())
     embedding = model.get_input_embeddings().weight
@@ -147,18 +181,20 @@ def _step_bytes(model, decision, S: int, U: int, B: int, tokens: float) -> int:
         weights -= embedding.numel() * embedding.element_size()
     head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
     per_token = 2 * c.num_hidden_layers * c.num_key_value_heads * head_dim * model.dtype.itemsize
-    kv_tokens = S + B * (U + tokens) if decision is not None and decision.used else B * (S + U + tokens)
+    kv_tokens = groups * S + B * (U + tokens) if decision is not None and decision.used else B * (S + U + tokens)
     return int(weights + per_token * kv_tokens)
 
 
 def generate_point(model, mode: str, S: int, B: int, U: int, N: int, M: int, reps: int, new_batch: int | None,
-                   sampling: bool = True, seed: int = 0) -> list[dict]:
-    """The CSV rows (without the run's fields) of one (mode, S, B) point; ``mode`` is one of ``MODES``."""
+                   sampling: bool = True, seed: int = 0, groups: int = 1, only=METRIC_GROUPS,
+                   stock_prefill_chunk: int | None = None) -> list[dict]:
+    """The CSV rows (without the run's fields) of one (mode, S, B, groups) point; ``mode`` is one of ``MODES``;
+    ``only``: the ``METRIC_GROUPS`` to measure (the cold first call always)."""
     device = model.device
     vocab = model.config.vocab_size
-    system = torch.randint(10, vocab, (1, S), generator=torch.Generator().manual_seed(seed * 131 + S)).to(device)
+    system = torch.randint(10, vocab, (groups, S), generator=torch.Generator().manual_seed(seed * 131 + S)).to(device)
     inputs = _inputs(system, B, U, vocab, seed * 7 + B)
-    make_kwargs = _kwargs_for(model, mode, system)
+    make_kwargs = _kwargs_for(model, mode, system, stock_prefill_chunk)
     cuda = device.type == "cuda"
     if cuda:
         torch.cuda.empty_cache()
@@ -172,7 +208,7 @@ def generate_point(model, mode: str, S: int, B: int, U: int, N: int, M: int, rep
         d = getattr(model, "relay_last_decision", None)
         return dict(relay_used=bool(d and d.used), relay_loop=bool(d and d.fast_decode))
 
-    base = dict(S=S, U=U, B=B, new_tokens=N, mode=mode)
+    base = dict(S=S, U=U, B=B, groups=groups, new_tokens=N, mode=mode)
     rows = []
 
     def add(metric: str, unit: str, values: dict, flags: dict, note: str = ""):
@@ -193,35 +229,43 @@ def generate_point(model, mode: str, S: int, B: int, U: int, N: int, M: int, rep
 
     with torch.no_grad():
         add("cold_first_call", "s", dict(median=call(N), n=1), decision())
-        call(1), call(M)  # warm-up: every call shape compiled and captured before the timed calls
-        ttft = summary(call(1) for _ in range(reps))
-        greedy = decision()
-        add("ttft", "s", ttft, greedy)
-        step = summary(steps())
-        greedy = decision()
-        relay_decision = getattr(model, "relay_last_decision", None)
-        add("step", "ms", step, greedy)
-        if N > 1:
+        call(M)  # warm-up: every call shape compiled and captured before the timed calls
+        if "ttft" in only:
+            call(1)
+            add("ttft", "s", summary(call(1) for _ in range(reps)), decision())
+        if "step" in only:
+            step = summary(steps())
+            greedy = decision()
+            relay_decision = getattr(model, "relay_last_decision", None)
+            add("step", "ms", step, greedy)
+            rate = lambda ms: B / ms * 1e3 if ms > 0 else float("nan")  # noqa: E731 (noise can make it <= 0)
+            add("tok_per_s", "tok/s", dict(median=rate(step["median"]), lo=rate(step["hi"]), hi=rate(step["lo"]),
+                                           n=step["n"], spread_of=step["spread_of"]), greedy)
+            nbytes = _step_bytes(model, relay_decision, S, U, B, (M + N) / 2, groups)
+            add("bandwidth", "GB/s", dict(median=nbytes / step["median"] / 1e6, n=step["n"]), greedy)
+            if cuda:
+                sync(device)
+                add("peak_memory", "GiB", dict(median=torch.cuda.max_memory_allocated(device) / 2**30, n=1), greedy)
+        if "streamed" in only and N > 1:
             add("streamed_step", "ms", summary(streamed()), decision())
-        rate = lambda ms: B / ms * 1e3 if ms > 0 else float("nan")  # noqa: E731 (noise can make a tiny step <= 0)
-        add("tok_per_s", "tok/s", dict(median=rate(step["median"]), lo=rate(step["hi"]), hi=rate(step["lo"]),
-                                       n=step["n"], spread_of=step["spread_of"]), greedy)
-        nbytes = _step_bytes(model, relay_decision, S, U, B, (M + N) / 2)
-        add("bandwidth", "GB/s", dict(median=nbytes / step["median"] / 1e6, n=step["n"]), greedy)
-        if cuda:
-            sync(device)
-            add("peak_memory", "GiB", dict(median=torch.cuda.max_memory_allocated(device) / 2**30, n=1), greedy)
-        if sampling:
+        if "kv_memory" in only:
+            held = model.generate(**inputs, max_new_tokens=N, return_dict_in_generate=True,
+                                  **make_kwargs(inputs["input_ids"].shape[0]))
+            cache = held.get("cache") if held.get("cache") is not None else held.get("past_key_values")
+            add("kv_memory", "MiB", dict(median=kv_bytes(cache) / 2**20, n=1), decision())
+            del held, cache
+        if "sampling" in only and sampling:
             add("sample_first_call", "s", dict(median=call(N, **SAMPLING), n=1), decision())
             call(M, **SAMPLING)
             add("sample_step", "ms", summary(steps(**SAMPLING)), decision())
-        if new_batch:
+        if "new_batch" in only and new_batch:
             other = _inputs(system, new_batch, U, vocab, seed * 7 + new_batch)
             add("new_batch_first_call", "s", dict(median=call(N, other), n=1), decision(), note=f"B={new_batch}")
-        longer = _inputs(system, B, 2 * U, vocab, seed * 7 + B + 1)
-        add("longer_prompt_call", "s", dict(median=call(N, longer), n=1), decision(), note=f"U={2 * U}")
-        if cuda and mode.startswith("relay"):
-            add("host", "us", summary(host_us(_attention_call(model, S, B, U + N), device)), greedy)
+        if "longer_prompt" in only:
+            longer = _inputs(system, B, 2 * U, vocab, seed * 7 + B + 1)
+            add("longer_prompt_call", "s", dict(median=call(N, longer), n=1), decision(), note=f"U={2 * U}")
+        if "host" in only and cuda and mode.startswith("relay"):
+            add("host", "us", summary(host_us(_attention_call(model, S, B, U + N), device)), decision())
     return rows
 
 
@@ -257,21 +301,24 @@ def _line(rows: list[dict]) -> dict:
     """The printed summary of one point, gpt-fast style."""
     get = {r["metric"]: r["median"] for r in rows}
     r0 = rows[0]
-    step = next(r for r in rows if r["metric"] == "step")
-    line = dict(mode=r0["mode"], S=r0["S"], B=r0["B"], step_ms=get["step"],
-                streamed_step_ms=get.get("streamed_step", float("nan")), tok_per_s=get["tok_per_s"],
-                GBps=get["bandwidth"], sample_step_ms=get.get("sample_step", float("nan")), ttft_s=get["ttft"],
-                peak_GiB=get.get("peak_memory", float("nan")), first_call_s=get["cold_first_call"],
+    step = next((r for r in rows if r["metric"] == "step"), rows[0])
+    nan = float("nan")
+    line = dict(mode=r0["mode"], S=r0["S"], B=r0["B"], groups=r0["groups"], step_ms=get.get("step", nan),
+                streamed_step_ms=get.get("streamed_step", nan), tok_per_s=get.get("tok_per_s", nan),
+                GBps=get.get("bandwidth", nan), sample_step_ms=get.get("sample_step", nan), ttft_s=get.get("ttft", nan),
+                peak_GiB=get.get("peak_memory", float("nan")), kv_MiB=get.get("kv_memory", float("nan")),
+                first_call_s=get["cold_first_call"],
                 new_batch_s=get.get("new_batch_first_call", float("nan")),
                 longer_prompt_s=get.get("longer_prompt_call", float("nan")), host_us=get.get("host", float("nan")),
                 relay=step["relay_used"],
                 loop=step["relay_loop"])
-    say(f"{line['mode']} S={line['S']} B={line['B']}: step {line['step_ms']:.2f} ms (streamed "
+    say(f"{line['mode']} S={line['S']} B={line['B']} groups={line['groups']}: step {line['step_ms']:.2f} ms (streamed "
         f"{line['streamed_step_ms']:.2f} ms; {line['tok_per_s']:,.0f} tok/s, "
         f"{line['GBps']:,.0f} GB/s), sampling step {line['sample_step_ms']:.2f} ms, first token "
-        f"{line['ttft_s']:.3f} s, peak {line['peak_GiB']:.2f} GiB; first call {line['first_call_s']:.2f} s, at a "
-        f"new batch size {line['new_batch_s']:.2f} s, with longer prompts {line['longer_prompt_s']:.2f} s; eager "
-        f"attention host {line['host_us']:.1f} us; relay used: {line['relay']}, relay_hf loop: {line['loop']}")
+        f"{line['ttft_s']:.3f} s, peak {line['peak_GiB']:.2f} GiB, KV {line['kv_MiB']:.1f} MiB; first call "
+        f"{line['first_call_s']:.2f} s, at a new batch size {line['new_batch_s']:.2f} s, with longer prompts "
+        f"{line['longer_prompt_s']:.2f} s; eager attention host {line['host_us']:.1f} us; relay used: "
+        f"{line['relay']}, relay_hf loop: {line['loop']}")
     return line
 
 
@@ -288,6 +335,8 @@ def main(argv=None) -> list[dict]:
     parser.add_argument("--model-shape", choices=sorted(SHAPES), default="llama3-8b")
     parser.add_argument("--prefix-len", type=int, nargs="+", default=[1024, 4096, 8192], help="S")
     parser.add_argument("--batch", type=int, nargs="+", default=[1, 8, 32, 64], help="B")
+    parser.add_argument("--groups", type=int, nargs="+", default=[1],
+                        help="system prompts per batch (each of --prefix-len tokens, the rows split evenly)")
     parser.add_argument("--user-len", type=int, default=64, help="U: tokens of each row's own prompt")
     parser.add_argument("--modes", nargs="+", default=["prefix_reuse", "relay"], choices=MODES)
     parser.add_argument("--new-tokens", type=int, default=128, help="N: tokens of the long timed call")
@@ -295,6 +344,11 @@ def main(argv=None) -> list[dict]:
     parser.add_argument("--reps", type=int, default=3, help="timed call pairs per point")
     parser.add_argument("--new-batch", type=int, default=None, help="batch of the new-batch call (3/4 of B)")
     parser.add_argument("--no-sampling", action="store_true", help="skip the sampling calls")
+    parser.add_argument("--only", nargs="+", default=list(METRIC_GROUPS), choices=METRIC_GROUPS,
+                        help="what to measure besides the cold first call (default: everything)")
+    parser.add_argument("--stock-prefill-chunk", type=int, default=None,
+                        help="stock mode: transformers' chunked prefill (prefill_chunk_size), for batches whose "
+                             "eager-attention prefill does not fit at once")
     parser.add_argument("--device", default=None, help="default: cuda when available, else cpu")
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
     parser.add_argument("--note", default="", help="free text stored with every row")
@@ -309,17 +363,19 @@ def main(argv=None) -> list[dict]:
     print(f"{env['device']}, torch {env['torch']}, transformers {env['transformers']}, triton {env['triton']}, "
           f"commit {env['commit']}")
     model = build_model(args.model_shape, device, getattr(torch, args.dtype),
-                        max(args.prefix_len) + args.user_len + N + 256)
-    grid = list(itertools.product(args.modes, args.prefix_len, args.batch))
+                        max(args.prefix_len) + 2 * args.user_len + N + 256)
+    grid = [(mode, S, B, g) for mode, S, B, g in itertools.product(args.modes, args.prefix_len, args.batch, args.groups)
+            if g <= B and not (g > 1 and mode == "prefix_reuse")]
     _raise_recompile_limit(len(grid))
     lines = []
-    for mode, S, B in progress(grid, "generate"):
+    for mode, S, B, groups in progress(grid, "generate"):
         new_batch = args.new_batch or (B * 3 // 4 if B >= 4 else B + 1)
         try:
-            point = generate_point(model, mode, S, B, args.user_len, N, M, args.reps, new_batch,
-                                   sampling=not args.no_sampling)
+            point = generate_point(model, mode, S, B, args.user_len, N, M, args.reps, max(new_batch, groups),
+                                   sampling=not args.no_sampling, groups=groups, only=set(args.only),
+                                   stock_prefill_chunk=args.stock_prefill_chunk)
         except torch.OutOfMemoryError:
-            say(f"{mode} S={S} B={B}: out of memory")
+            say(f"{mode} S={S} B={B} groups={groups}: out of memory")
             continue
         finally:
             relay_hf.unpatch(model)

@@ -65,7 +65,7 @@ def test_generate_cpu_smoke_run_measures_every_column(tmp_path, one_thread):
     rows = common.read_rows(path)
     assert list(rows[0]) == common.GENERATE_FIELDS
     expected = {"cold_first_call", "ttft", "step", "tok_per_s", "bandwidth", "sample_first_call", "sample_step",
-                "new_batch_first_call", "longer_prompt_call", "streamed_step"}
+                "new_batch_first_call", "longer_prompt_call", "streamed_step", "kv_memory"}
     for mode in generate.MODES:
         got = {r["metric"]: r for r in rows if r["mode"] == mode}
         assert set(got) == expected, mode
@@ -80,6 +80,22 @@ def test_generate_cpu_smoke_run_measures_every_column(tmp_path, one_thread):
         assert got["step"]["relay_loop"] == got["sample_step"]["relay_loop"] == str(mode == "relay_compiled")
         assert got["new_batch_first_call"]["note"] == "B=3" and got["longer_prompt_call"]["note"] == "U=128"
     assert {r["new_tokens"] for r in rows} == {"3"}
+
+
+def test_generate_groups_sweep_measures_what_is_asked_and_relay_holds_less_kv(tmp_path, one_thread):
+    """``--groups``: system prompts per batch (prefix reuse has no way to give rows different ones: skipped);
+    ``--only``: just those metrics; relay holds each prompt once."""
+    path = tmp_path / "generate.csv"
+    generate.main(["--model-shape", "tiny", "--device", "cpu", "--dtype", "float32", "--prefix-len", "32", "--batch",
+                   "4", "--groups", "1", "2", "--user-len", "8", "--new-tokens", "3", "--reps", "1", "--modes",
+                   "stock", "relay", "prefix_reuse", "--only", "step", "kv_memory", "--csv", str(path)])
+    rows = common.read_rows(path)
+    points = {(r["mode"], r["groups"]) for r in rows}
+    assert points == {("stock", "1"), ("stock", "2"), ("relay", "1"), ("relay", "2"), ("prefix_reuse", "1")}
+    assert {r["metric"] for r in rows} == {"cold_first_call", "step", "tok_per_s", "bandwidth", "kv_memory"}
+    kv = {(r["mode"], r["groups"]): float(r["median"]) for r in rows if r["metric"] == "kv_memory"}
+    assert kv[("relay", "2")] < kv[("stock", "2")] and kv[("relay", "1")] < kv[("relay", "2")]
+    assert all(r["relay_used"] == str(r["mode"] == "relay") for r in rows)
 
 
 def test_append_rows_keeps_one_schema_per_file(tmp_path):

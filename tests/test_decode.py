@@ -521,6 +521,35 @@ def test_captured_loop_gives_stock_tokens_and_rng_on_gpu(arch):
             assert (stock.shape[1] - ids.shape[1]) % DEFAULT_DECODE.chunk != 0 and stock.shape[1] < ids.shape[1] + 40
 
 
+@pytest.mark.gpu
+def test_captured_loop_with_several_prompts_replays_each_calls_layout_on_gpu():
+    """fp32 on CUDA: calls under different prompts (same levels, within the slot's planned segments) replay one
+    captured step whose kernel tables are rewritten in place per call; tokens and the next draw are stock's each
+    time, greedy and sampled."""
+    model = tiny_model("llama").cuda()
+    batches = [grouped_batch(seed=60)[:2], grouped_batch(seed=61, prompts=(30, 20, 10), rows=(3, 2, 2))[:2],
+               grouped_batch(seed=62, prompts=(44, 18), rows=(3, 3), none=2)[:2]]
+    batches = [(ids.cuda(), mask.cuda()) for ids, mask in batches]
+    calls = [dict(max_new_tokens=24, do_sample=False), dict(max_new_tokens=24, do_sample=True, top_k=20)]
+    stock = [(run_stock(model, ids, mask, **call), torch.rand(3, device="cuda"))  # unpatch drops the slots
+             for ids, mask in batches for call in calls]
+    relay_hf.patch(model, min_prefix_length=8)
+    slots = []
+    for b, (ids, mask) in enumerate(batches):
+        for c, call in enumerate(calls):
+            torch.manual_seed(0)
+            loop = model.generate(ids, attention_mask=mask, **call)
+            loop_draw = torch.rand(3, device="cuda")
+            decision = model.relay_last_decision
+            assert decision.fast_decode and len(decision.groups) >= 3, decision
+            out, draw = stock[2 * b + c]
+            assert torch.equal(loop, out) and torch.equal(loop_draw, draw), call
+        slot = model._relay_state.idle_static()
+        assert slot.stepper.graph is not None  # captured, and replayed by the next batches
+        slots.append((slot, slot.stepper))
+    assert slots[1] == slots[0] and slots[2] == slots[0]
+
+
 @pytest.mark.parametrize("gen", [
     dict(min_new_tokens=2, min_length=10),  # min_new_tokens wins, as stock's _prepare_generated_length says
     dict(eos_token_id=[2, 10_000], min_new_tokens=3),  # an EOS id beyond the vocabulary never matches

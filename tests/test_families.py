@@ -96,3 +96,20 @@ def test_the_options_change_what_stock_computes_here():
             a = model(ids, attention_mask=mask).logits[:, -1]
             b = plain(ids, attention_mask=mask).logits[:, -1]
         assert (a - b).abs().max() > 1e-3 * a.abs().max(), family
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_every_family_runs_relay_in_the_kernels_on_the_captured_loop_on_gpu(family):
+    """fp32 on CUDA: the softcap, the sinks and the windows run in the Triton kernels (no call falls back to stock
+    attention), one prompt and several, and greedy tokens are stock's."""
+    model = _model(family).cuda()
+    for ids, mask in (shared_prefix_batch(seed=34)[:2], grouped_batch(seed=35)[:2]):
+        ids, mask = ids.cuda(), mask.cuda()
+        gen = dict(max_new_tokens=24, do_sample=False)
+        stock = run_stock(model, ids, mask, **gen)
+        relay_hf.patch(model, min_prefix_length=8)
+        out = model.generate(ids, attention_mask=mask, **gen)
+        decision = model.relay_last_decision
+        assert decision.used and decision.fast_decode, decision
+        assert torch.equal(out, stock)

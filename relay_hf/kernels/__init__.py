@@ -54,7 +54,7 @@ def relay_attention(query: torch.Tensor, prefix_key: torch.Tensor, prefix_value:
                     suffix_key: torch.Tensor, suffix_value: torch.Tensor, *, scale: float | None = None,
                     suffix_lengths: torch.Tensor | None = None, suffix_end: torch.Tensor | None = None,
                     softcap: float | None = None, sinks: torch.Tensor | None = None, window: int | None = None,
-                    prefix_groups: PrefixGroups | None = None) -> torch.Tensor:
+                    prefix_groups: PrefixGroups | GroupTables | None = None) -> torch.Tensor:
     """Exact attention of a batch over shared prefix KV, read once per batch, plus each row's own suffix.
 
     Args:
@@ -80,7 +80,9 @@ def relay_attention(query: torch.Tensor, prefix_key: torch.Tensor, prefix_value:
         prefix_groups: several shared prefixes in one batch (``PrefixGroups``): the segments packed in
             ``prefix_key`` and, per row, the segments it reads (its path: a system prompt, then maybe a document
             shared by some of that prompt's rows), each segment read once per batch for all its rows; ``None``:
-            one prefix for every row.
+            one prefix for every row. Inside a ``torch.compile`` region on CUDA pass the ``GroupTables`` built
+            ahead instead (``PrefixGroups.tables`` at ``triton_relay.grouped_launch_shape``): a compiled graph
+            cannot build them.
 
     Every query sees its prefix and, causally, the valid part of its own suffix (both within ``window``). ``H_q``
     must be a multiple of ``H_kv`` (GQA). All tensors share one dtype (fp16, bf16, fp32 or fp64) and device.
@@ -118,11 +120,17 @@ def relay_attention(query: torch.Tensor, prefix_key: torch.Tensor, prefix_value:
                                  window=window, prefix_groups=prefix_groups)
 
 
-def _tables_for_op(query: torch.Tensor, H_kv: int, P: int, groups: PrefixGroups | None) -> tuple:
+def _tables_for_op(query: torch.Tensor, H_kv: int, P: int, groups: PrefixGroups | GroupTables | None) -> tuple:
     """The custom op's group arguments: ``(items, rows, row_prefix, [levels, segments])`` for this call's launch
     shape, or four ``None``."""
     if groups is None:
         return None, None, None, None
+    if isinstance(groups, GroupTables):
+        return groups.items, groups.rows, groups.row_prefix, [groups.depth, groups.segments]
+    if torch.compiler.is_compiling():
+        raise ValueError("inside torch.compile, pass prefix_groups as the GroupTables built ahead "
+                         "(PrefixGroups.tables at triton_relay.grouped_launch_shape): a compiled graph cannot build "
+                         "them, and would replay one call's layout for every later call")
     from .triton_relay import _ACTIVE_CONFIG, grouped_launch_shape
 
     check_prefix_groups(groups, query.shape[0], P)

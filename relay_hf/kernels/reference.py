@@ -286,7 +286,8 @@ def add_sinks(out: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor) -> tupl
 def check_prefix_groups(groups, B: int, P: int) -> None:
     """Raise ``ValueError`` unless ``groups`` is a ``PrefixGroups`` for ``B`` rows over ``P`` packed positions."""
     if not isinstance(groups, PrefixGroups):
-        raise ValueError(f"prefix_groups must be a relay_hf.kernels.PrefixGroups, got {type(groups).__name__}")
+        raise ValueError(f"prefix_groups must be a relay_hf.kernels.PrefixGroups (GroupTables serve the Triton "
+                         f"kernels on CUDA only), got {type(groups).__name__}")
     groups.check(B, P)
 
 

@@ -9,7 +9,7 @@ import itertools
 import pytest
 import torch
 
-from relay_hf.kernels import PrefixGroups, relay_attention, relay_attention_torch, triton_relay
+from relay_hf.kernels import GroupTables, PrefixGroups, relay_attention, relay_attention_torch, triton_relay
 from tests.helpers import make_inputs, oracle_attention, rel_err
 
 
@@ -148,3 +148,24 @@ def test_the_dispatcher_sends_options_to_the_kernels_on_cuda():
     before = len(triton_relay._LAUNCHES)
     relay_attention(q, pk, pv, sk, sv, suffix_lengths=lengths, softcap=2.0, window=5, sinks=torch.zeros(4).cuda())
     assert len(triton_relay._LAUNCHES) == before + 1
+
+
+@pytest.mark.gpu
+def test_the_custom_op_takes_the_options_and_groups_on_cuda():
+    """Calls the op records (inputs that require grad; a torch.compile trace) go through
+    ``torch.ops.relay_hf.relay_attention`` with the options and the groups' device tables."""
+    q, pk, pv, sk, sv, lengths = (t.cuda() for t in make_inputs(5, 2, 2, 1, 12, 40, 64, padded=True, seed=11))
+    lengths = lengths.clamp(min=1)
+    groups = PrefixGroups([20, 10, 10], [(0, 1), (2,), (0,), (), (0, 1)])
+    sinks = torch.randn(4, device="cuda")
+    kw = dict(suffix_lengths=lengths, softcap=2.0, sinks=sinks, window=9, prefix_groups=groups)
+    ref = oracle_attention(q, pk, pv, sk, sv, lengths, None, 2.0, sinks, 9, groups)
+    recorded = relay_attention(q.requires_grad_(), pk, pv, sk, sv, **kw)
+    assert rel_err(recorded.detach(), ref) < 1e-4
+    block_m, items = triton_relay.grouped_launch_shape(5 * 2, 64, groups)
+    tables = GroupTables(*groups.tables(q.device, block_m, 2, items), groups.depth, groups.segments_per_level)
+    compiled = torch.compile(lambda *t: relay_attention(*t, **dict(kw, prefix_groups=tables)), fullgraph=True)
+    with torch.no_grad():
+        assert rel_err(compiled(q.detach(), pk, pv, sk, sv), ref) < 1e-4
+        with pytest.raises(Exception, match="GroupTables"):  # a PrefixGroups cannot be read inside the graph
+            torch.compile(lambda *t: relay_attention(*t, **kw), fullgraph=True)(q.detach(), pk, pv, sk, sv)

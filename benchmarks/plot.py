@@ -8,6 +8,10 @@
   the latest run that measured the point.
 * ``generate.png``: the decode step of ``generate`` against the batch size, one panel per system-prompt length, one
   line per mode (the latest ``step`` row of each point).
+* ``groups.png``: several system prompts per batch (``--groups`` sweeps): one decode layer's time and its bandwidth
+  floor, and ``generate``'s decode step per mode, against the number of prompts the rows are split between.
+
+The first two figures show one system prompt per batch (``groups`` 1).
 """
 
 from __future__ import annotations
@@ -19,7 +23,7 @@ from .common import DATA, REPO, read_rows
 
 KERNEL_SHAPE = dict(dtype="bfloat16", H_q="32", H_kv="8", D="128", L_s="256")
 MODE_STYLE = {"stock": (":", "C0"), "prefix_reuse": ("--", "C1"), "static": ("--", "C2"), "relay": ("-.", "C3"),
-              "relay_compiled": ("-", "C4")}  # (line style, colour): the same in every panel
+              "relay_compiled": ("-", "C4"), "relay_eager": (":", "C5")}  # (line style, colour): in every panel
 
 
 def _device(rows: list[dict], device: str | None) -> str:
@@ -41,7 +45,7 @@ def kernel_points(rows: list[dict], device: str | None = None, shape: dict | Non
     device = _device(rows, device)
     shape = KERNEL_SHAPE if shape is None else shape
     sel = [r for r in rows if r["device"] == device and r["metric"] == "time" and r["S"]
-           and all(r[k] == v for k, v in shape.items())]
+           and r["groups"] in ("", "1") and all(r[k] == v for k, v in shape.items())]
     times: dict = {}
     for r in sel:  # later rows overwrite earlier runs' values only within their own run's entry
         times.setdefault((int(r["S"]), int(r["B"])), {}).setdefault(_run(r), {})[r["provider"]] = float(r["median"])
@@ -63,10 +67,66 @@ def generate_points(rows: list[dict], device: str | None = None, model: str = "l
     device = _device(rows, device)
     latest = {}
     for r in rows:
-        if r["device"] == device and r["model"] == model and r["dtype"] == dtype and r["metric"] == "step":
+        if (r["device"] == device and r["model"] == model and r["dtype"] == dtype and r["metric"] == "step"
+                and r["groups"] in ("", "1")):
             latest[(r["mode"], int(r["S"]), int(r["B"]))] = r
     return [dict(mode=m, S=S, B=B, step_ms=float(r["median"]), commit=r["commit"])
             for (m, S, B), r in sorted(latest.items())]
+
+
+def group_points(kernel_rows: list[dict], generate_rows: list[dict], device: str | None = None,
+                 shape: dict | None = None, model: str = "llama3-8b") -> tuple[list[dict], list[dict]]:
+    """``(kernel, generate)`` points of the ``--groups`` sweeps: per (S, B, groups) relay's time and floor from the
+    latest kernel run that measured both, and per (mode, S, B, groups) the latest decode step (only the (S, B)
+    points measured at more than one prompt)."""
+    shape = KERNEL_SHAPE if shape is None else shape
+    kernel: dict = {}
+    for r in kernel_rows:
+        if (r["device"] == _device(kernel_rows, device) and r["metric"] == "time" and r["S"]
+                and all(r[k] == v for k, v in shape.items())):
+            kernel.setdefault((int(r["S"]), int(r["B"]), int(r["groups"] or 1)), {}).setdefault(
+                _run(r), {})[r["provider"]] = float(r["median"])
+    ks = []
+    for (S, B, g), runs in sorted(kernel.items()):
+        complete = [t for t in runs.values() if "relay" in t and "floor_relay" in t]
+        if complete:
+            ks.append(dict(S=S, B=B, groups=g, relay_us=complete[-1]["relay"], floor_us=complete[-1]["floor_relay"]))
+    steps: dict = {}
+    for r in generate_rows:
+        if (r["device"] == _device(generate_rows, device) and r["model"] == model and r["metric"] == "step"
+                and r["dtype"] == shape["dtype"]):
+            steps[(r["mode"], int(r["S"]), int(r["B"]), int(r["groups"] or 1))] = float(r["median"])
+    gs = [dict(mode=m, S=S, B=B, groups=g, step_ms=v) for (m, S, B, g), v in sorted(steps.items())]
+    swept = lambda points: {(p["S"], p["B"]) for p in points if p["groups"] > 1}  # noqa: E731
+    return ([p for p in ks if (p["S"], p["B"]) in swept(ks)], [p for p in gs if (p["S"], p["B"]) in swept(gs)])
+
+
+def plot_groups(kernel: list[dict], steps: list[dict], path: Path, title: str) -> None:
+    plt = _pyplot()
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    for S, B in sorted({(p["S"], p["B"]) for p in kernel}):
+        sel = [p for p in kernel if (p["S"], p["B"]) == (S, B)]
+        line = axes[0].plot([p["groups"] for p in sel], [p["relay_us"] for p in sel], marker="o",
+                            label=f"relay, S={S}, B={B}")[0]
+        axes[0].plot([p["groups"] for p in sel], [p["floor_us"] for p in sel], linestyle=":", color=line.get_color(),
+                     label="its bandwidth floor")
+    axes[0].set(xlabel="system prompts in the batch", ylabel="one decode attention layer (µs)",
+                title="each prompt read once per batch")
+    for mode, S, B in sorted({(p["mode"], p["S"], p["B"]) for p in steps}):
+        sel = [p for p in steps if (p["mode"], p["S"], p["B"]) == (mode, S, B)]
+        style, colour = MODE_STYLE.get(mode, ("-", None))
+        axes[1].plot([p["groups"] for p in sel], [p["step_ms"] for p in sel], marker="o", linestyle=style,
+                     color=colour, label=f"{mode}, S={S}, B={B}")
+    axes[1].set(xlabel="system prompts in the batch", ylabel="decode step (ms)", yscale="log",
+                title="generate: decode step")
+    for ax, points in zip(axes, (kernel, steps)):
+        ax.set_xticks(sorted({p["groups"] for p in points}) or [1])
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.suptitle(title, fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
 
 
 def _pyplot():
@@ -151,6 +211,14 @@ def main(argv=None) -> list[Path]:
             path = args.out / "generate.png"
             plot_generate(points, path, f"{_device(rows, args.device)}, {args.model_shape}-shaped random model, "
                           f"{args.dtype}; latest run of each point")
+            written.append(path)
+    if args.kernel_csv.exists() and args.generate_csv.exists():
+        kernel_rows, generate_rows = read_rows(args.kernel_csv), read_rows(args.generate_csv)
+        kernel, steps = group_points(kernel_rows, generate_rows, args.device, None, args.model_shape)
+        if kernel or steps:
+            path = args.out / "groups.png"
+            plot_groups(kernel, steps, path, f"{_device(kernel_rows, args.device)}, bf16, {args.model_shape} shapes; "
+                        "the rows split evenly between the prompts; latest run of each point")
             written.append(path)
     for path in written:
         print(f"wrote {path}")

@@ -131,6 +131,11 @@ def _check_relay_call(module, key: RelayKV, attention_mask, dropout: float, slid
     unknown = sorted(k for k, v in kwargs.items() if v is not None and k in _UNSERVED)
     if unknown:
         raise ValueError(f"relay attention does not support `{unknown[0]}`; relay_hf.patch should have declined")
+    trimmed = key.groups.window if key.groups is not None else None
+    if trimmed is not None and sliding_window != trimmed:  # the dropped keys would be missing: refuse, never guess
+        raise ValueError(f"this layer's RelayCache keeps only what a sliding window of {trimmed} tokens can see, "
+                         f"but its attention now runs with sliding_window={sliding_window}; build the RelayCache "
+                         "again for the model as it is")
 
 
 def relay_attention_forward(module: torch.nn.Module, query: torch.Tensor, key, value, attention_mask,

@@ -78,7 +78,8 @@ class RelayLayer(CacheLayerMixin):
     MIN_CAPACITY = 16
 
     def __init__(self, prefix_keys: torch.Tensor | None = None, prefix_values: torch.Tensor | None = None,
-                 suffix_padding: torch.Tensor | None = None, groups: PrefixGroups | None = None):
+                 suffix_padding: torch.Tensor | None = None, groups: PrefixGroups | None = None,
+                 window: int | None = None, full_lengths: tuple[int, ...] | None = None):
         self._kbuf = self._vbuf = None  # suffix buffers [B, H_kv, capacity, D]
         self._len = 0  # valid suffix positions in the buffers
         self._reserve = 0  # capacity to allocate on first append
@@ -89,6 +90,10 @@ class RelayLayer(CacheLayerMixin):
         # generate does); then attention reads each row's extent from the cache, else from the attention mask
         self.suffix_padding = suffix_padding
         self.groups = groups  # which packed segments each row reads; None: every row reads the whole prefix
+        # a sliding-window layer stores of each segment only the last window - 1 tokens (PrefixGroups.windowed):
+        # the window it was trimmed for and the segments' whole lengths, or None (the whole prefix is stored)
+        self.window, self.full_lengths = window, full_lengths
+        self._view = None  # (groups, rows, the view attention reads): built once per call
 
     @property
     def keys(self) -> torch.Tensor | None:
@@ -116,7 +121,19 @@ class RelayLayer(CacheLayerMixin):
         """Prefix columns of the rows: the longest row prefix (the packed prefix itself without groups)."""
         if self.groups is not None:
             return self.groups.max_prefix_length
+        if self.window is not None:
+            return max(self.full_lengths)
         return 0 if self.prefix_keys is None else self.prefix_keys.shape[-2]
+
+    def view(self, rows: int) -> PrefixGroups | None:
+        """The groups attention reads this layer's prefix through, for ``rows`` rows: the call's (``None``: one
+        prefix, every row), or for a trimmed sliding-window layer their windowed view."""
+        if self.window is None:
+            return self.groups
+        if self._view is None or self._view[0] is not self.groups or self._view[1] != rows:
+            base = self.groups if self.groups is not None else PrefixGroups(self.full_lengths, [(0,)] * rows)
+            self._view = (self.groups, rows, base.windowed(self.window))
+        return self._view[2]
 
     @property
     def suffix_length(self) -> int:
@@ -131,10 +148,11 @@ class RelayLayer(CacheLayerMixin):
 
     def _expanded_prefix(self, B: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Each row's prefix as stock attention needs it, ``[B, H_kv, P, D]``: the one prefix expanded, or each row's
-        segments gathered into its first columns (the rest is masked in the relay row layout)."""
-        if self.groups is None:
+        segments gathered into its first columns (the rest is masked in the relay row layout, or by the window)."""
+        view = self.view(B)
+        if view is None:
             return self.prefix_keys.expand(B, -1, -1, -1), self.prefix_values.expand(B, -1, -1, -1)
-        index = self.groups.gather_index().to(self.prefix_keys.device)  # [B, P]
+        index = view.gather_index().to(self.prefix_keys.device)  # [B, P]
         return (self.prefix_keys[0][:, index].transpose(0, 1), self.prefix_values[0][:, index].transpose(0, 1))
 
     def reserve(self, tokens: int) -> None:
@@ -176,8 +194,9 @@ class RelayLayer(CacheLayerMixin):
             return self.keys, self.values
         if relay:
             lengths = self._row_lengths(key_states.device)
-            return (RelayKV(self.prefix_keys, self.keys, lengths, None, self.groups),
-                    RelayKV(self.prefix_values, self.values, lengths, None, self.groups))
+            view = self.view(key_states.shape[0])
+            return (RelayKV(self.prefix_keys, self.keys, lengths, None, view),
+                    RelayKV(self.prefix_values, self.values, lengths, None, view))
         prefix_keys, prefix_values = self._expanded_prefix(self.keys.shape[0])
         return torch.cat([prefix_keys, self.keys], dim=-2), torch.cat([prefix_values, self.values], dim=-2)
 
@@ -186,7 +205,7 @@ class RelayLayer(CacheLayerMixin):
 
     def get_mask_sizes(self, query_length: int, relay: bool = False) -> tuple[int, int]:
         if relay and self.prefix_keys is not None:
-            if self.groups is not None:  # its keys carry every row's extent (fork requires the layout): no mask
+            if self.suffix_padding is not None:  # its keys carry every row's extent: no mask to build
                 return 0, self.prefix_length
             return self.suffix_length + query_length, self.prefix_length
         return self.get_seq_length() + query_length, 0
@@ -247,8 +266,9 @@ class StaticRelayLayer(RelayLayer):
     is_croppable = False
 
     def __init__(self, prefix_keys: torch.Tensor, prefix_values: torch.Tensor, max_suffix_length: int,
-                 suffix_padding: torch.Tensor | None = None, groups: PrefixGroups | None = None):
-        super().__init__(prefix_keys, prefix_values, groups=groups)
+                 suffix_padding: torch.Tensor | None = None, groups: PrefixGroups | None = None,
+                 window: int | None = None, full_lengths: tuple[int, ...] | None = None):
+        super().__init__(prefix_keys, prefix_values, groups=groups, window=window, full_lengths=full_lengths)
         self.max_suffix_length = max_suffix_length
         self.suffix_padding = suffix_padding
         self._end = self._lengths = None  # 0-d int64 filled positions; [B] int32 valid positions ending there
@@ -302,8 +322,9 @@ class StaticRelayLayer(RelayLayer):
         self._vbuf.index_copy_(2, pos, value_states)
         self._end.add_(n)
         self._lengths.add_(n)
-        return (RelayKV(self.prefix_keys, self._kbuf, self._lengths, self._end, self.groups),
-                RelayKV(self.prefix_values, self._vbuf, self._lengths, self._end, self.groups))
+        view = self.view(self._kbuf.shape[0])
+        return (RelayKV(self.prefix_keys, self._kbuf, self._lengths, self._end, view),
+                RelayKV(self.prefix_values, self._vbuf, self._lengths, self._end, view))
 
     def get_seq_length(self):
         return self.prefix_length if self._end is None else self._end + self.prefix_length  # a tensor: no host sync
@@ -359,18 +380,22 @@ class RelayCache(Cache):
     """
 
     def __init__(self, config, prefix_kv: list[tuple[torch.Tensor, torch.Tensor]] | None = None,
-                 prefix_ids: torch.Tensor | None = None, tree: PrefixTree | None = None):
+                 prefix_ids: torch.Tensor | None = None, tree: PrefixTree | None = None,
+                 windows: list[int | None] | None = None):
         text_config = config.get_text_config(decoder=True)
         n_layers = text_config.num_hidden_layers
         if prefix_kv is not None and len(prefix_kv) != n_layers:
             raise ValueError(f"prefix_kv has {len(prefix_kv)} layers, the model has {n_layers}")
         prefix_kv = prefix_kv or [(None, None)] * n_layers
-        super().__init__(layers=[RelayLayer(k, v) for k, v in prefix_kv])
-        self.config = config
         if tree is None and prefix_ids is not None:
             tree = PrefixTree((torch.as_tensor(prefix_ids).reshape(-1).to("cpu", torch.int64),), (-1,))
+        windows = windows or [None] * n_layers  # per layer: the sliding window its stored prefix is trimmed for
+        super().__init__(layers=[RelayLayer(k, v, window=w, full_lengths=None if w is None else tree.lengths)
+                                 for (k, v), w in zip(prefix_kv, windows)])
+        self.config = config
         self.tree = tree
-        self._tables = None  # a static cache's kernel tables for several prefixes (``_pin``)
+        self._groups = None  # a fork's PrefixGroups (every layer reads through it, or its windowed view)
+        self._tables: dict = {}  # a static cache's kernel tables for several prefixes, per view (``_pin``)
 
     @property
     def prefix_ids(self) -> torch.Tensor | None:
@@ -427,13 +452,23 @@ class RelayCache(Cache):
                     scratch.update(k, v, i)
             model.base_model(input_ids=tree.ids[j][None].to(model.device), use_cache=True, **{name: scratch})
             done[j] = scratch
-        own = []
-        for j in range(len(tree.ids)):
-            start = tree.starts()[j]
-            own.append([(k[:, :, start:], v[:, :, start:]) for k, v in _kv(done[j])])
-        kv = own[0] if len(own) == 1 else [(torch.cat([o[i][0] for o in own], 2), torch.cat([o[i][1] for o in own], 2))
-                                           for i in range(len(own[0]))]
-        return cls(model.config, kv, tree=tree)
+        # a sliding-window layer keeps of each segment only what a query after it can see (its last window - 1
+        # tokens); every other layer keeps it all
+        windows = [w if w is not None and any(n > w - 1 for n in tree.lengths) else None
+                   for w in _layer_windows(model, len(_kv(done[0])))]
+        kv = []
+        for i, window in enumerate(windows):
+            parts = []
+            for j, n in enumerate(tree.lengths):
+                k, v = _kv(done[j])[i]
+                end = tree.starts()[j] + n
+                keep = n if window is None else min(n, window - 1)
+                parts.append((k[:, :, end - keep:end], v[:, :, end - keep:end]))
+            if len(parts) == 1 and window is None:
+                kv.append(parts[0])
+            else:  # packed (and a trimmed layer's own storage, so the dropped tokens are freed)
+                kv.append((torch.cat([p[0] for p in parts], 2), torch.cat([p[1] for p in parts], 2)))
+        return cls(model.config, kv, tree=tree, windows=windows)
 
     @classmethod
     def combine(cls, caches) -> RelayCache:
@@ -448,9 +483,12 @@ class RelayCache(Cache):
         for c in caches:
             parents += [p + len(ids) if p >= 0 else -1 for p in c.tree.parents]
             ids += list(c.tree.ids)
+        windows = [lay.window for lay in caches[0].layers]
+        if any([lay.window for lay in c.layers] != windows for c in caches):  # one of them built on another model
+            raise ValueError("combine takes RelayCaches of one model")
         kv = [(torch.cat([c.layers[i].prefix_keys for c in caches], 2),
                torch.cat([c.layers[i].prefix_values for c in caches], 2)) for i in range(len(caches[0].layers))]
-        return cls(caches[0].config, kv, tree=PrefixTree(tuple(ids), tuple(parents)))
+        return cls(caches[0].config, kv, tree=PrefixTree(tuple(ids), tuple(parents)), windows=windows)
 
     def reserve(self, tokens: int) -> None:
         """Size every layer's suffix buffers for ``tokens`` positions when they are first allocated."""
@@ -489,17 +527,20 @@ class RelayCache(Cache):
                              "row reads")
         if groups is not None and suffix_padding is None:
             raise ValueError("a fork of several prefixes needs suffix_padding (the rows' layout)")
-        fork = type(self)(self.config, [(lay.prefix_keys, lay.prefix_values) for lay in self.layers], tree=self.tree)
+        fork = type(self)(self.config, [(lay.prefix_keys, lay.prefix_values) for lay in self.layers], tree=self.tree,
+                          windows=[lay.window for lay in self.layers])
         for lay in fork.layers:
-            lay.suffix_padding, lay.groups = suffix_padding, groups
+            lay.suffix_padding = suffix_padding
         if max_suffix_length is not None:
             if self.layers[0].prefix_keys is None or self.prefix_length == 0:
                 raise ValueError("a static RelayCache needs a prefix; build it with RelayCache.from_prefix")
             # the static fork owns its prefix (a copy), so ``refill`` can overwrite it in place for the next call;
             # several prefixes are held with room to spare, so the next call's may differ a little
-            fork.layers = [StaticRelayLayer(*self._static_prefix(lay, groups), max_suffix_length, suffix_padding)
-                           for lay in self.layers]
-            fork._set_groups(None if groups is None else self.groups_for(paths, _segment_capacity(groups)))
+            fork.layers = [StaticRelayLayer(*self._static_prefix(lay, groups), max_suffix_length, suffix_padding,
+                                            window=lay.window, full_lengths=lay.full_lengths) for lay in self.layers]
+            if groups is not None:
+                groups = self.groups_for(paths, _segment_capacity(groups))
+        fork._set_groups(groups)
         return fork
 
     @staticmethod
@@ -517,14 +558,31 @@ class RelayCache(Cache):
         return out[0], out[1]
 
     def _set_groups(self, groups: PrefixGroups | None) -> None:
-        """Hand every layer ``groups``; a static cache on CUDA also writes their kernel tables into its own buffers
-        (``_pin``), in place, so the decode step captured on them replays with this call's layout."""
+        """Hand every layer this call's ``groups`` (trimmed sliding-window layers read them through one shared
+        windowed view per window). A static cache on CUDA also writes the kernel tables of each view into buffers of
+        its own (``_pin``), in place, so the decode step captured on them replays with this call's layout."""
+        self._groups = groups
+        rows = None
+        padding = self.layers[0].suffix_padding if self.layers else None
+        if groups is not None:
+            rows = groups.rows
+        elif padding is not None:
+            rows = padding.shape[0]
+        shared: dict[int, PrefixGroups | None] = {}
         for lay in self.layers:
             lay.groups = groups
-        if groups is not None and self.is_static and self.prefix_device.type == "cuda":
-            self._pin(groups)
+            lay._view = None
+            if lay.window is not None and rows is not None:
+                if lay.window not in shared:
+                    shared[lay.window] = lay.view(rows)
+                lay._view = (groups, rows, shared[lay.window])
+        if self.is_static and self.prefix_device.type == "cuda":
+            views = {0: groups, **shared}  # 0: the layers that read the call's groups as they are
+            for key, view in views.items():
+                if view is not None:
+                    self._pin(key, view)
 
-    def _pin(self, groups: PrefixGroups) -> None:
+    def _pin(self, key: int, groups: PrefixGroups) -> None:
         from .kernels import triton_serves
         from .kernels.triton_relay import _ACTIVE_CONFIG, grouped_launch_shape, triton_available
 
@@ -536,9 +594,11 @@ class RelayCache(Cache):
         G = self.config.get_text_config(decoder=True).num_attention_heads // H_kv
         block_m, items = grouped_launch_shape(rows * G, D, groups, _ACTIVE_CONFIG.get())
         shapes = ((items, 7), (groups.depth * rows,), (rows,))
-        if self._tables is None or tuple(t.shape for t in self._tables) != shapes:
-            self._tables = tuple(torch.zeros(s, dtype=torch.int32, device=self.prefix_device) for s in shapes)
-        groups.pin(self.prefix_device, block_m, G, items, self._tables)
+        held = self._tables.get(key)
+        if held is None or tuple(t.shape for t in held) != shapes:
+            held = self._tables[key] = tuple(torch.zeros(s, dtype=torch.int32, device=self.prefix_device)
+                                             for s in shapes)
+        groups.pin(self.prefix_device, block_m, G, items, held)
 
     def can_refill(self, base: RelayCache, rows: int, max_suffix_length: int, max_rows: int | None = None,
                    paths=None) -> bool:
@@ -546,33 +606,39 @@ class RelayCache(Cache):
         relay_hf's loop runs extra rows; ``None``: exactly ``rows``) and ``max_suffix_length`` suffix positions (or
         more, up to twice that) without new buffers; with several prefixes, rows reading ``paths`` (as many levels,
         at most the planned segments per level, packed within the room held)."""
-        mine, theirs = self.layers[0], base.layers[0]
+        mine = self.layers[0]
         if not (self.is_static and mine.is_initialized and rows <= mine._kbuf.shape[0] <= (max_rows or rows)
-                and max_suffix_length <= mine.max_suffix_length <= 2 * max_suffix_length
-                and mine.prefix_keys.dtype == theirs.prefix_keys.dtype
-                and mine.prefix_keys.device == theirs.prefix_keys.device
-                and mine.prefix_keys.shape[:2] == theirs.prefix_keys.shape[:2]):
+                and max_suffix_length <= mine.max_suffix_length <= 2 * max_suffix_length):
             return False
         groups = None if paths is None else base.groups_for(paths)
-        if (groups is None) != (mine.groups is None):
+        if (groups is None) != (self._groups is None):
             return False
-        if groups is None:
-            return mine.prefix_keys.shape == theirs.prefix_keys.shape
-        held = mine.prefix_keys.shape[2]
-        return (groups.depth == mine.groups.depth and groups.segments_per_level <= mine.groups.segments_per_level
-                and theirs.prefix_keys.shape[2] <= held <= 2 * theirs.prefix_keys.shape[2] + PREFIX_ROUNDING)
+        if groups is not None and not (groups.depth == self._groups.depth
+                                       and groups.segments_per_level <= self._groups.segments_per_level):
+            return False
+        for lay, src in zip(self.layers, base.layers):
+            held, need = lay.prefix_keys.shape, src.prefix_keys.shape
+            if (lay.window != src.window or lay.prefix_keys.dtype != src.prefix_keys.dtype
+                    or lay.prefix_keys.device != src.prefix_keys.device or held[:2] != need[:2]):
+                return False
+            if groups is None and held != need:  # one prefix: the kernels are planned for its exact length
+                return False
+            if groups is not None and not need[2] <= held[2] <= 2 * need[2] + PREFIX_ROUNDING:
+                return False
+        return True
 
     def refill(self, base: RelayCache, suffix_padding: torch.Tensor, paths=None) -> None:
         """Reuse this static cache for ``base``'s prefix and new rows: every buffer keeps its address, so the CUDA
         graphs captured for the previous call replay instead of being recorded again."""
         groups = None
         if paths is not None:
-            groups = base.groups_for(paths, self.layers[0].groups and self.layers[0].groups.segments_per_level)
+            groups = base.groups_for(paths, self._groups and self._groups.segments_per_level)
         for lay, src in zip(self.layers, base.layers):
             P = src.prefix_keys.shape[2]
             lay.prefix_keys[:, :, :P].copy_(src.prefix_keys)
             lay.prefix_values[:, :, :P].copy_(src.prefix_values)
             lay.suffix_padding = suffix_padding
+            lay.full_lengths = src.full_lengths
             lay.reset()
         self.tree = base.tree
         self._set_groups(groups)
@@ -584,14 +650,14 @@ class RelayCache(Cache):
     # -- state -----------------------------------------------------------------------------------------------------
     @property
     def prefix_length(self) -> int:
-        if self.layers and self.layers[0].groups is None and self.tree is not None and len(self.tree.ids) > 1:
+        if self._groups is None and self.tree is not None and len(self.tree.ids) > 1:
             return max(self.tree.full_ids(j).numel() for j in range(len(self.tree.ids)))
         return self.layers[0].prefix_length if self.layers else 0
 
     @property
     def groups(self) -> PrefixGroups | None:
         """Which segments each row of this fork reads (``None``: every row reads the one prefix)."""
-        return self.layers[0].groups if self.layers else None
+        return self._groups
 
     @property
     def relay_active(self) -> bool:
@@ -616,6 +682,18 @@ class RelayCache(Cache):
         return total
 
     # -- the Cache protocol ----------------------------------------------------------------------------------------
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        super().reorder_cache(beam_idx)
+        self._groups = self.layers[0].groups
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        super().batch_repeat_interleave(repeats)
+        self._groups = self.layers[0].groups
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        super().batch_select_indices(indices)
+        self._groups = self.layers[0].groups
+
     def update(self, key_states, value_states, layer_idx: int, *args, **kwargs):
         return self.layers[layer_idx].update(key_states, value_states, relay=self.relay_active)
 
@@ -645,6 +723,24 @@ def _prefix_ids(ids, name: str) -> torch.Tensor:
 
 def _kv(cache: DynamicCache) -> list[tuple[torch.Tensor, torch.Tensor]]:
     return [(layer.keys, layer.values) for layer in cache.layers]
+
+
+def _layer_windows(model, n_layers: int) -> list[int | None]:
+    """Per layer, the sliding window its attention module states as its own (``module.sliding_window``, set per
+    layer by Gemma 2/3, gpt-oss, Qwen2/3, ...), or ``None``: a model that passes its window from the config at call
+    time keeps every layer whole (exact either way: the kernels apply the window; trimming only saves memory)."""
+    found: dict[int, set] = {}
+    for module in model.modules():
+        index = getattr(module, "layer_idx", None)
+        if isinstance(index, int) and "sliding_window" in vars(module):
+            found.setdefault(index, set()).add(vars(module)["sliding_window"])
+    out = []
+    for i in range(n_layers):
+        values = found.get(i, set())
+        window = next(iter(values)) if len(values) == 1 else None
+        ok = isinstance(window, int) and not isinstance(window, bool) and window >= 1
+        out.append(window if ok else None)
+    return out
 
 
 def _segment_capacity(groups: PrefixGroups) -> int:

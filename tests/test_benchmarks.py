@@ -131,7 +131,7 @@ def test_published_data_follows_the_schema(name, fields):
 
 def test_plot_draws_both_figures_from_the_published_data(tmp_path):
     written = plot.main(["--out", str(tmp_path)])
-    assert sorted(p.name for p in written) == ["generate.png", "kernel.png"]
+    assert sorted(p.name for p in written) == ["generate.png", "groups.png", "kernel.png"]
     assert all(p.stat().st_size > 10_000 for p in written)
     points = plot.kernel_points(common.read_rows(common.DATA / "kernel.csv"))
     assert all(p["speedup"] == p["sdpa_us"] / p["relay_us"] for p in points)

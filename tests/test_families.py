@@ -113,3 +113,34 @@ def test_every_family_runs_relay_in_the_kernels_on_the_captured_loop_on_gpu(fami
         decision = model.relay_last_decision
         assert decision.used and decision.fast_decode, decision
         assert torch.equal(out, stock)
+
+
+def test_sliding_layers_store_what_a_window_can_see_and_global_layers_all():
+    """Gemma 3 (sliding, sliding, global): each sliding layer keeps of every prefix only its last window - 1
+    tokens; Mistral passes its window from the config at call time, so its layers keep the whole prefix (exact
+    either way: the kernels apply the window)."""
+    ids, mask, systems, block = grouped_batch(seed=36, none=0)
+    model = _model("gemma3_text")
+    relay_hf.patch(model, min_prefix_length=8)
+    cache = relay_hf.RelayCache.from_prefixes(model, [systems[0], torch.cat([systems[0], block]), *systems[1:]])
+    stored = [lay.prefix_keys.shape[2] for lay in cache.layers]
+    assert stored == [4 * (WINDOW - 1), 4 * (WINDOW - 1), 40 + 12 + 24 + 16]
+    assert [lay.window for lay in cache.layers] == [WINDOW, WINDOW, None]
+    stock = run_stock(model, ids, mask, max_new_tokens=8, do_sample=False)
+    relay_hf.patch(model, min_prefix_length=8)
+    out = model.generate(ids, attention_mask=mask, max_new_tokens=8, do_sample=False, past_key_values=cache)
+    assert torch.equal(out, stock)
+    mistral = relay_hf.RelayCache.from_prefix(_model("mistral"), systems[0])
+    assert all(lay.window is None and lay.prefix_keys.shape[2] == 40 for lay in mistral.layers)
+
+
+def test_a_trimmed_layer_refuses_a_window_that_changed_since_the_cache_was_built():
+    ids, mask, prefix = shared_prefix_batch(seed=37)
+    model = relay_hf.patch(_model("qwen2"), min_prefix_length=8)
+    cache = relay_hf.RelayCache.from_prefix(model, prefix)
+    assert cache.layers[0].window is None and cache.layers[1].window == WINDOW  # from max_window_layers=1 on
+    model.model.layers[1].self_attn.sliding_window = 4 * WINDOW
+    with pytest.raises(ValueError, match="sliding window of 8 tokens"):
+        model.generate(ids, attention_mask=mask, max_new_tokens=2, past_key_values=cache)
+    model.model.layers[1].self_attn.sliding_window = WINDOW
+    assert model.generate(ids, attention_mask=mask, max_new_tokens=2, past_key_values=cache).shape[1] == ids.shape[1] + 2

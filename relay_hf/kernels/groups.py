@@ -51,12 +51,16 @@ class PrefixGroups:
         segments_per_level: plan the kernels for up to this many segments per level (each level counting "no
             segment" as one when some row has none), so that layouts of the same depth and capacity share one launch
             plan (a captured CUDA graph replays across them); ``None``: this layout's own count.
+        bases, prefix_lengths, window: for a view that keeps only the tail of each segment (``windowed``): each
+            stored segment's absolute first position, each row's whole prefix length, and the sliding window the
+            view serves. ``None``: derived from the tree (nothing dropped).
 
     Raises ``ValueError`` naming what does not fit.
     """
 
     def __init__(self, lengths: Sequence[int], paths: Sequence[Sequence[int]],
-                 segments_per_level: int | None = None):
+                 segments_per_level: int | None = None, *, bases: Sequence[int] | None = None,
+                 prefix_lengths: Sequence[int] | None = None, window: int | None = None):
         lengths = tuple(lengths)
         paths = tuple(tuple(p) for p in paths)
         if any(isinstance(n, bool) or not isinstance(n, int) or n < 0 for n in lengths):
@@ -83,6 +87,11 @@ class PrefixGroups:
         if segments_per_level is not None and (not isinstance(segments_per_level, int) or segments_per_level < own):
             raise ValueError(f"segments_per_level={segments_per_level!r} is below this layout's {own}")
         self.segments_per_level = segments_per_level or own
+        self.window = window
+        if bases is not None:
+            self.__dict__["bases"] = tuple(bases)
+        if prefix_lengths is not None:
+            self.__dict__["prefix_lengths"] = tuple(prefix_lengths)
         self._tables: dict[tuple, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
         self._pinned: set[tuple] = set()
         self._lock = threading.Lock()
@@ -179,17 +188,28 @@ class PrefixGroups:
 
     def select(self, rows: Sequence[int]) -> PrefixGroups:
         """The groups of rows ``rows`` (a reorder, repeat or subset of these rows), same segments and plan."""
-        return PrefixGroups(self.lengths, [self.paths[b] for b in rows], self.segments_per_level)
+        return PrefixGroups(self.lengths, [self.paths[b] for b in rows], self.segments_per_level, bases=self.bases,
+                            prefix_lengths=[self.prefix_lengths[b] for b in rows], window=self.window)
+
+    def windowed(self, window: int) -> PrefixGroups:
+        """The view a sliding-window layer stores: of each segment only its last ``window - 1`` tokens, the most a
+        query after it can see (a row's first query sits right after its prefix). Same rows, positions and plan;
+        ``self`` when nothing would be dropped."""
+        keep = [min(n, window - 1) for n in self.lengths]
+        if keep == list(self.lengths):
+            return self
+        return PrefixGroups(keep, self.paths, self.segments_per_level,
+                            bases=[b + n - k for b, n, k in zip(self.bases, self.lengths, keep)],
+                            prefix_lengths=self.prefix_lengths, window=window)
 
     def gather_index(self) -> torch.Tensor:
-        """``[B, max_prefix_length]`` int64: packed position of each row's prefix tokens in order (its path's
-        segments concatenated), 0 past a row's own prefix length (positions the row's mask hides)."""
+        """``[B, max_prefix_length]`` int64: for each row's prefix position, where its key is in the packed prefix
+        (0 for a position this view does not store: one its own window hides, or past the row's prefix)."""
         index = torch.zeros(self.rows, self.max_prefix_length, dtype=torch.int64)
         for b, path in enumerate(self.paths):
-            at = 0
             for j in path:
-                index[b, at:at + self.lengths[j]] = torch.arange(self.offsets[j], self.offsets[j] + self.lengths[j])
-                at += self.lengths[j]
+                base, n = self.bases[j], self.lengths[j]
+                index[b, base:base + n] = torch.arange(self.offsets[j], self.offsets[j] + n)
         return index
 
     def check(self, B: int, P: int) -> None:

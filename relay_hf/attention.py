@@ -114,11 +114,14 @@ _UNSERVED = ("attention_chunk_size", "alibi", "position_bias")
 def _options(key: RelayKV, sliding_window, kwargs) -> dict:
     """``softcap`` / ``sinks`` / ``window`` for ``relay_attention``: the module's logit softcap (Gemma 2), its sinks
     (gpt-oss hands them as ``s_aux``), and its sliding window where it can exclude a key of these buffers (a window
-    that holds every position changes nothing, and without it the Triton kernels serve the call)."""
+    that holds every position changes nothing, and without it the kernels skip the window's bookkeeping). A static
+    cache always gets the window: a captured step replays for later calls whose prefixes may be longer."""
     sinks = kwargs.get("s_aux", kwargs.get("sinks"))
-    prefix = key.prefix.shape[-2] if key.groups is None else key.groups.max_prefix_length
-    total = prefix + key.suffix.shape[-2]
-    window = sliding_window if sliding_window is not None and total > sliding_window else None
+    window = None
+    if sliding_window is not None:
+        prefix = key.prefix.shape[-2] if key.groups is None else key.groups.max_prefix_length
+        if key.end is not None or prefix + key.suffix.shape[-2] > sliding_window:
+            window = sliding_window
     return dict(softcap=kwargs.get("softcap"), sinks=sinks, window=window)
 
 

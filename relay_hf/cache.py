@@ -32,6 +32,9 @@ from .prefix import PrefixTree
 
 ATTN_NAME = "relay"
 PREFIX_ROUNDING = 256  # a static cache of several prefixes holds their packed positions rounded up to this
+# a sliding-window layer stores only what its window sees where that keeps at most this share of the prefix tokens
+# (below, its memory saving does not pay for reading the prefix through work tables)
+TRIM_AT_MOST = 0.75
 MIN_SEGMENT_CAPACITY = 4  # ... and plans its kernels for at least this many segments per level (a power of two)
 # The name a patched model runs under says which implementation it runs without a relay prefix, so a copied or
 # unpickled model keeps it. (No "flash" in these names: transformers treats such names as flash attention.)
@@ -224,8 +227,6 @@ class RelayLayer(CacheLayerMixin):
             self._vbuf = self._vbuf.index_select(0, beam_idx.to(self._vbuf.device))
         if self.suffix_padding is not None:
             self.suffix_padding = self.suffix_padding.index_select(0, beam_idx.to(self.suffix_padding.device))
-        if self.groups is not None:
-            self.groups = self.groups.select(beam_idx.tolist())
 
     def crop(self, tokens_to_remove: int) -> None:
         if tokens_to_remove > 0:
@@ -241,16 +242,12 @@ class RelayLayer(CacheLayerMixin):
             self._vbuf = self._vbuf.repeat_interleave(repeats, dim=0)
         if self.suffix_padding is not None:
             self.suffix_padding = self.suffix_padding.repeat_interleave(repeats)
-        if self.groups is not None:
-            self.groups = self.groups.select([b for b in range(self.groups.rows) for _ in range(repeats)])
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:
         if self.suffix_length:
             self._kbuf, self._vbuf = self._kbuf[indices, ...], self._vbuf[indices, ...]
         if self.suffix_padding is not None:
             self.suffix_padding = self.suffix_padding[indices.to(self.suffix_padding.device)]
-        if self.groups is not None:
-            self.groups = self.groups.select(torch.arange(self.groups.rows)[indices.cpu()].tolist())
 
 
 class StaticRelayLayer(RelayLayer):
@@ -453,9 +450,8 @@ class RelayCache(Cache):
             model.base_model(input_ids=tree.ids[j][None].to(model.device), use_cache=True, **{name: scratch})
             done[j] = scratch
         # a sliding-window layer keeps of each segment only what a query after it can see (its last window - 1
-        # tokens); every other layer keeps it all
-        windows = [w if w is not None and any(n > w - 1 for n in tree.lengths) else None
-                   for w in _layer_windows(model, len(_kv(done[0])))]
+        # tokens), where that saves enough; every other layer keeps it all
+        windows = [trim_window(w, tree.lengths) for w in layer_windows(model)]
         kv = []
         for i, window in enumerate(windows):
             parts = []
@@ -483,11 +479,27 @@ class RelayCache(Cache):
         for c in caches:
             parents += [p + len(ids) if p >= 0 else -1 for p in c.tree.parents]
             ids += list(c.tree.ids)
-        windows = [lay.window for lay in caches[0].layers]
-        if any([lay.window for lay in c.layers] != windows for c in caches):  # one of them built on another model
+        if any(c.config is not caches[0].config for c in caches):
             raise ValueError("combine takes RelayCaches of one model")
-        kv = [(torch.cat([c.layers[i].prefix_keys for c in caches], 2),
-               torch.cat([c.layers[i].prefix_values for c in caches], 2)) for i in range(len(caches[0].layers))]
+        # a layer one cache trimmed to its window (TRIM_AT_MOST) is trimmed in the combination; another cache's
+        # prefixes are trimmed on the way (the packing copies them anyway)
+        windows = [next((w for w in ws if w is not None), None)
+                   for ws in zip(*[[lay.window for lay in c.layers] for c in caches])]
+        kv = []
+        for i, window in enumerate(windows):
+            keys, values = [], []
+            for c in caches:
+                lay = c.layers[i]
+                stored = _stored_lengths(lay, c.tree.lengths)
+                if lay.window is not None and lay.window != window:
+                    raise ValueError("combine takes RelayCaches of one model")
+                at = 0
+                for n in stored:
+                    keep = n if window is None else min(n, window - 1)
+                    keys.append(lay.prefix_keys[:, :, at + n - keep:at + n])
+                    values.append(lay.prefix_values[:, :, at + n - keep:at + n])
+                    at += n
+            kv.append((torch.cat(keys, 2), torch.cat(values, 2)))
         return cls(caches[0].config, kv, tree=PrefixTree(tuple(ids), tuple(parents)), windows=windows)
 
     def reserve(self, tokens: int) -> None:
@@ -584,7 +596,7 @@ class RelayCache(Cache):
 
     def _pin(self, key: int, groups: PrefixGroups) -> None:
         from .kernels import triton_serves
-        from .kernels.triton_relay import _ACTIVE_CONFIG, grouped_launch_shape, triton_available
+        from .kernels.triton_relay import active_config, grouped_launch_shape, triton_available
 
         lay = self.layers[0]
         H_kv, D = lay.prefix_keys.shape[1], lay.prefix_keys.shape[3]
@@ -592,7 +604,7 @@ class RelayCache(Cache):
             return
         rows = lay.suffix_padding.shape[0]
         G = self.config.get_text_config(decoder=True).num_attention_heads // H_kv
-        block_m, items = grouped_launch_shape(rows * G, D, groups, _ACTIVE_CONFIG.get())
+        block_m, items = grouped_launch_shape(rows * G, D, groups, active_config())
         shapes = ((items, 7), (groups.depth * rows,), (rows,))
         held = self._tables.get(key)
         if held is None or tuple(t.shape for t in held) != shapes:
@@ -682,17 +694,25 @@ class RelayCache(Cache):
         return total
 
     # -- the Cache protocol ----------------------------------------------------------------------------------------
+    # the rows' groups follow the suffixes, decided once for all layers
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         super().reorder_cache(beam_idx)
-        self._groups = self.layers[0].groups
+        if self._groups is not None:
+            # beam search reorders each input's beams among themselves, and they read the same prefixes: the groups
+            # stay (one host read a step, not one a layer); any other reorder takes them along
+            rows = beam_idx.tolist()
+            if any(self._groups.paths[r] != self._groups.paths[b] for b, r in enumerate(rows)):
+                self._set_groups(self._groups.select(rows))
 
     def batch_repeat_interleave(self, repeats: int) -> None:
         super().batch_repeat_interleave(repeats)
-        self._groups = self.layers[0].groups
+        if self._groups is not None:
+            self._set_groups(self._groups.select([b for b in range(self._groups.rows) for _ in range(repeats)]))
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:
         super().batch_select_indices(indices)
-        self._groups = self.layers[0].groups
+        if self._groups is not None:
+            self._set_groups(self._groups.select(torch.arange(self._groups.rows)[indices.cpu()].tolist()))
 
     def update(self, key_states, value_states, layer_idx: int, *args, **kwargs):
         return self.layers[layer_idx].update(key_states, value_states, relay=self.relay_active)
@@ -725,10 +745,25 @@ def _kv(cache: DynamicCache) -> list[tuple[torch.Tensor, torch.Tensor]]:
     return [(layer.keys, layer.values) for layer in cache.layers]
 
 
-def _layer_windows(model, n_layers: int) -> list[int | None]:
+def trim_window(window: int | None, lengths) -> int | None:
+    """``window`` when a layer with this sliding window should store only each segment's last ``window - 1`` tokens
+    (that keeps at most ``TRIM_AT_MOST`` of them), else ``None`` (it stores the segments whole)."""
+    if window is None or not lengths:
+        return None
+    kept = sum(min(n, window - 1) for n in lengths)
+    return window if kept <= TRIM_AT_MOST * sum(lengths) else None
+
+
+def _stored_lengths(layer: RelayLayer, lengths) -> list[int]:
+    """The tokens ``layer`` stores of each segment of these ``lengths``."""
+    return [n if layer.window is None else min(n, layer.window - 1) for n in lengths]
+
+
+def layer_windows(model) -> list[int | None]:
     """Per layer, the sliding window its attention module states as its own (``module.sliding_window``, set per
     layer by Gemma 2/3, gpt-oss, Qwen2/3, ...), or ``None``: a model that passes its window from the config at call
     time keeps every layer whole (exact either way: the kernels apply the window; trimming only saves memory)."""
+    n_layers = model.config.get_text_config(decoder=True).num_hidden_layers
     found: dict[int, set] = {}
     for module in model.modules():
         index = getattr(module, "layer_idx", None)

@@ -350,9 +350,13 @@ def _compile_kwargs(compile_config, device_type: str, step_options: tuple = DEFA
 
 
 def _stepper(model, slot, rows: int, compile_config, decode: DecodeConfig) -> _Stepper:
-    """The slot's step if it was made for these settings, else a new one (announced: it captures or compiles)."""
+    """The slot's step if it was made for these settings, else a new one (announced: it captures or compiles). The
+    kernel configuration in force is one of them: the captured launches, and the work tables a static cache of
+    several prefixes lays out for the next call, follow it."""
+    from .kernels.triton_relay import active_config
+
     compiled = None if compile_config is None else repr(compile_config.to_dict())
-    key = rows, compiled, decode
+    key = rows, compiled, decode, active_config()
     if slot.stepper is not None and slot.stepper.key == key:
         return slot.stepper
     slot.stepper = None  # free the old graphs' pool first

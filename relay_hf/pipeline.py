@@ -88,6 +88,8 @@ class RelayTextGenerationPipeline(TextGenerationPipeline):
         # rendered prefix ids -> prefilled RelayCache, least recently used first; guarded by _lock (one prefill per
         # prompt however many threads call)
         self._caches: OrderedDict[tuple[int, ...], RelayCache] = OrderedDict()
+        # the last batch's prompts (their caches) packed together, reused by the next batch of the same prompts
+        self._combined: tuple[tuple[RelayCache, ...], RelayCache] | None = None
         self._lock = threading.RLock()
         release = _hold_patch(self.model)
         self._finalizer = weakref.finalize(self, release) if release is not None else None
@@ -109,6 +111,7 @@ class RelayTextGenerationPipeline(TextGenerationPipeline):
         once the patch is undone, calls run stock ``generate``."""
         with self._lock:
             self._caches.clear()
+            self._combined = None
         if self._finalizer is not None:
             self._finalizer()
 
@@ -220,7 +223,21 @@ class RelayTextGenerationPipeline(TextGenerationPipeline):
                     break
                 if key not in used:
                     held -= _nbytes(self._caches.pop(key))
+            kept = {id(c) for c in self._caches.values()}
+            if self._combined is not None and not all(id(c) in kept for c in self._combined[0]):
+                self._combined = None  # it holds a dropped prompt's KV: let that go too
             return out
+
+    def _combine(self, caches: list[RelayCache]) -> RelayCache:
+        """One cache holding these prompts' prefixes: the last batch's packing again when its prompts were the
+        same ones (a job whose batches mix the same few prompts packs them once)."""
+        if len(caches) == 1:
+            return caches[0]
+        with self._lock:
+            last = self._combined
+            if last is None or len(last[0]) != len(caches) or any(a is not b for a, b in zip(last[0], caches)):
+                self._combined = (tuple(caches), RelayCache.combine(caches))
+            return self._combined[1]
 
     def kept_system_prompts(self) -> int:
         """How many prefilled system prompts the pipeline keeps now."""
@@ -236,7 +253,7 @@ class RelayTextGenerationPipeline(TextGenerationPipeline):
             distinct = list(dict.fromkeys(system_prompts))
             caches = self._caches_for(distinct)
             if all(c is not None for c in caches):
-                cache = RelayCache.combine(caches)
+                cache = self._combine(caches)
                 n_pad = left_padding(mask if mask is not None else torch.ones_like(ids))
                 if n_pad is not None and _matches(cache, ids, n_pad):
                     generate_kwargs[cache_kwarg_name(self.model)] = cache

@@ -25,7 +25,7 @@ import torch
 from transformers import CompileConfig, GenerationConfig
 
 from ._compat import attn_implementation, compile_all_devices, resolve_generation_config
-from .cache import RelayCache, is_relay_name
+from .cache import RelayCache, is_relay_name, layer_windows, trim_window
 from .decode import DEFAULT_DECODE, Sampler, loop_sampler
 from .prefix import Grouping, PrefixTree, common_prefix_length, find_groups, left_padding
 
@@ -130,9 +130,9 @@ class Plan:
         groups = ()
         if self.grouping is not None:
             per = self.rows // len(self.grouping.paths)
-            lengths, parents = self.grouping.tree.lengths, self.grouping.tree.parents
-            readers = [sum(j in p for p in self.grouping.paths) * per for j in range(len(lengths))]
-            groups = tuple((0 if parents[j] < 0 else 1, readers[j], lengths[j]) for j in range(len(lengths))
+            tree = self.grouping.tree
+            readers = [sum(j in p for p in self.grouping.paths) * per for j in range(len(tree.ids))]
+            groups = tuple((len(tree.path(j)) - 1, readers[j], tree.lengths[j]) for j in range(len(tree.ids))
                            if readers[j])
         return RelayDecision(self.relay, self.reason, self.prefix_length, self.rows, self.static, self.fast_decode,
                              self.loop_reason, groups)
@@ -379,13 +379,19 @@ def _decide(model, call: dict) -> Plan:
     max_pos = getattr(model.config.get_text_config(decoder=True), "max_position_embeddings", None)
     if max_pos is not None and P > max_pos:
         raise _Stock(f"shared prefix of {P} tokens is longer than max_position_embeddings ({max_pos})", expected=True)
-    grouped = not grouping.single
-    # a static RelayCache for relay_hf's loop, and for transformers' loop when the call asks for one (one prefix:
-    # transformers' compiled loop would bake a call's grouping into its graphs)
-    static = fast or (asked_static and (gen.num_beams or 1) == 1 and not grouped)
-    # several prefixes decode on the captured eager step: their kernel tables change per call in place, which an
+    # attention reads through PrefixGroups tables: several prefixes, or sliding-window layers that store only what
+    # their window sees (each row's positions then come from the tables)
+    if cache is not None:
+        trimmed = any(lay.window is not None for lay in cache.layers)
+    else:
+        trimmed = any(trim_window(w, grouping.tree.lengths) is not None for w in layer_windows(model))
+    tables = not grouping.single or trimmed
+    # a static RelayCache for relay_hf's loop, and for transformers' loop when the call asks for one (without tables:
+    # transformers' compiled loop would bake one call's tables into its graphs)
+    static = fast or (asked_static and (gen.num_beams or 1) == 1 and not tables)
+    # with tables relay_hf's loop replays the captured eager step: the tables change per call in place, which an
     # inductor graph would have to guard on
-    compiled = (compile_config(model, gen) if fast and not grouped
+    compiled = (compile_config(model, gen) if fast and not tables
                 and (asked_static or model._relay_state.decode == "compile") else None)
     capacity = 0
     if static:  # rounded up so similar calls reuse one captured step

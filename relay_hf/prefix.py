@@ -211,22 +211,31 @@ def find_groups(input_ids: torch.Tensor, n_pad: torch.Tensor, min_length: int, l
     def pays(node: _Node, base: int) -> bool:
         return node.rows >= 2 and node.depth - base >= floor
 
-    def below(node: _Node, base: int) -> tuple[int, list]:
+    order_post = _post_order(root)  # children before parents: no recursion, however deep the tree
+    below: dict[tuple[int, int], tuple[int, list]] = {}  # (node, base) -> best inner segments starting at base
+
+    def inner(node: _Node, base: int) -> tuple[int, list]:
         """Best savings of segments starting at ``base`` among ``node`` and its descendants (an antichain)."""
-        options = _total([below(c, base) for c in node.children])
-        take = (node.rows - 1) * (node.depth - base) if pays(node, base) else 0
-        return (take, [(node, base)]) if take > 0 and take >= options[0] else options
+        key = (id(node), base)
+        if key not in below:
+            for n in _post_order(node):
+                k = (id(n), base)
+                if k not in below:
+                    options = _total([below[(id(c), base)] for c in n.children])
+                    take = (n.rows - 1) * (n.depth - base) if pays(n, base) else 0
+                    below[k] = (take, [(n, base)]) if take > 0 and take >= options[0] else options
+        return below[key]
 
-    def best(node: _Node) -> tuple[int, list]:
-        """Best savings of the subtree: root segments, each with its children's segments below it."""
-        options = _total([best(c) for c in node.children])
-        if not pays(node, 0):
-            return options
-        inner = _total([below(c, node.depth) for c in node.children]) if levels > 1 else (0, [])
-        take = (node.rows - 1) * node.depth + inner[0]
-        return (take, [(node, 0), *inner[1]]) if take >= options[0] else options
-
-    saved, chosen = best(root)
+    best: dict[int, tuple[int, list]] = {}  # node -> best root segments of its subtree, with their inner ones
+    for node in order_post:
+        options = _total([best[id(c)] for c in node.children])
+        if pays(node, 0):
+            nested = _total([inner(c, node.depth) for c in node.children]) if levels > 1 else (0, [])
+            take = (node.rows - 1) * node.depth + nested[0]
+            if take >= options[0]:
+                options = (take, [(node, 0), *nested[1]])
+        best[id(node)] = options
+    saved, chosen = best[id(root)]
     if saved <= 0:
         return None
     chosen = _cap_segments(chosen, max_segments)
@@ -240,6 +249,19 @@ def find_groups(input_ids: torch.Tensor, n_pad: torch.Tensor, min_length: int, l
         for b in order[node.lo:node.hi]:
             paths[b].append(len(seg_ids) - 1)
     return Grouping(PrefixTree(tuple(seg_ids), tuple(parents)), tuple(tuple(p) for p in paths))
+
+
+def _post_order(root: _Node) -> list[_Node]:
+    """``root``'s subtree, every node after its children."""
+    out, stack = [], [(root, False)]
+    while stack:
+        node, done = stack.pop()
+        if done:
+            out.append(node)
+        else:
+            stack.append((node, True))
+            stack.extend((c, False) for c in node.children)
+    return out
 
 
 def _total(parts: list[tuple[int, list]]) -> tuple[int, list]:

@@ -143,4 +143,50 @@ def test_a_trimmed_layer_refuses_a_window_that_changed_since_the_cache_was_built
     with pytest.raises(ValueError, match="sliding window of 8 tokens"):
         model.generate(ids, attention_mask=mask, max_new_tokens=2, past_key_values=cache)
     model.model.layers[1].self_attn.sliding_window = WINDOW
-    assert model.generate(ids, attention_mask=mask, max_new_tokens=2, past_key_values=cache).shape[1] == ids.shape[1] + 2
+    out = model.generate(ids, attention_mask=mask, max_new_tokens=2, past_key_values=cache)
+    assert out.shape[1] == ids.shape[1] + 2
+
+
+def test_caches_of_one_model_combine_whatever_their_layers_trimmed():
+    """A prompt longer than the window is trimmed in the sliding layers and a short one is not: packed together
+    (as the pipeline does for a batch under both), the short one is trimmed on the way, and tokens are stock's."""
+    model = relay_hf.patch(_model("gemma2"), min_prefix_length=4)
+    g = torch.Generator().manual_seed(38)
+    long, short = torch.randint(3, VOCAB, (30,), generator=g), torch.randint(3, VOCAB, (5,), generator=g)
+    a, b = relay_hf.RelayCache.from_prefix(model, long), relay_hf.RelayCache.from_prefix(model, short)
+    assert a.layers[0].window == WINDOW and b.layers[0].window is None
+    both = relay_hf.RelayCache.combine([a, b])
+    assert both.layers[0].prefix_keys.shape[2] == WINDOW - 1 + 5 and both.layers[0].window == WINDOW
+    rows = [torch.cat([long, torch.randint(3, VOCAB, (n,), generator=g)]) for n in (2, 4)]
+    rows += [torch.cat([short, torch.randint(3, VOCAB, (n,), generator=g)]) for n in (3, 1)]
+    from tests.helpers import left_pad
+
+    ids, mask = left_pad(rows)
+    stock = run_stock(model, ids, mask, max_new_tokens=6, do_sample=False)
+    relay_hf.patch(model, min_prefix_length=4)
+    out = model.generate(ids, attention_mask=mask, max_new_tokens=6, do_sample=False, past_key_values=both)
+    assert model.relay_last_decision.used and torch.equal(out, stock)
+
+
+@pytest.mark.gpu
+def test_a_static_slot_replayed_for_longer_prompts_keeps_the_window_on_gpu():
+    """A captured step first recorded for prompts short enough that no key falls out of the window, then replayed
+    for a longer prompt: the window must be in the recorded launches (a static cache always passes it)."""
+    config = transformers.MistralConfig(**{**COMMON, "sliding_window": 320, "num_hidden_layers": 2})
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config).eval().cuda()
+    model.generation_config.pad_token_id = 0
+    from tests.helpers import left_pad
+
+    g = torch.Generator().manual_seed(39)
+    rand = lambda n: torch.randint(3, VOCAB, (n,), generator=g)  # noqa: E731
+    short = [rand(60) for _ in range(4)]
+    first = left_pad([torch.cat([p, rand(5)]) for p in short for _ in range(2)])
+    long_a, long_b = rand(200), rand(40)
+    second = left_pad([torch.cat([p, rand(5)]) for p in (long_a, long_b) for _ in range(4)])
+    gen = dict(max_new_tokens=150, do_sample=False)
+    stock = [run_stock(model, ids.cuda(), mask.cuda(), **gen) for ids, mask in (first, second)]
+    relay_hf.patch(model, min_prefix_length=8)
+    for (ids, mask), expected in zip((first, second), stock):
+        out = model.generate(ids.cuda(), attention_mask=mask.cuda(), **gen)
+        assert model.relay_last_decision.fast_decode and torch.equal(out, expected)

@@ -326,10 +326,13 @@ def test_kept_system_prompts_are_reused_across_calls_within_the_byte_budget(smol
         built.append(len(ids))
         return original(model, ids)
 
+    packed = []
+    combine = pipeline_module.RelayCache.combine
     monkeypatch.setattr(pipeline_module.RelayCache, "from_prefix", staticmethod(counting))
+    monkeypatch.setattr(pipeline_module.RelayCache, "combine", staticmethod(lambda c: packed.append(1) or combine(c)))
     relay_pipe(QS[:2], system_prompt=prompts[:2], batch_size=2, max_new_tokens=1, do_sample=False)
-    relay_pipe(QS[:2], system_prompt=prompts[1::-1], batch_size=2, max_new_tokens=1, do_sample=False)
-    assert len(built) == 2  # both prefilled once, then reused
+    relay_pipe(QS[2:4], system_prompt=prompts[:2], batch_size=2, max_new_tokens=1, do_sample=False)
+    assert len(built) == 2 and len(packed) == 1  # both prefilled once, packed once, then reused
     one = relay_pipe.prefix_cache(prompts[0]).prefix_nbytes()
     relay_pipe.prefix_cache_bytes = one  # room for one prompt: the least recently used goes
     relay_pipe(QS[:2], system_prompt=[prompts[2], prompts[2]], batch_size=2, max_new_tokens=1, do_sample=False)

@@ -175,3 +175,11 @@ def test_one_prefix_layout_keeps_the_columns_of_stock():
     layout = relay_layout(ids, mask, left_padding(mask), 40)
     assert layout.columns == ids.shape[1] and (layout.ids[:, :40] == SYS_A).all()
     assert torch.equal(layout.ids.sort(1).values, ids.sort(1).values)  # same tokens per row (pads included)
+
+
+def test_a_deep_tree_needs_no_recursion():
+    """Rows that each extend the previous one by a token: an LCP tree as deep as the batch is wide."""
+    rows = [torch.tensor([7] * i + [2, 3]) for i in range(1, 301)]
+    ids, mask = left_pad(rows)
+    grouping = find_groups(ids, left_padding(mask), min_length=4)
+    _check_grouping(rows, grouping, 4)

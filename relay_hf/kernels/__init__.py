@@ -131,13 +131,15 @@ def _tables_for_op(query: torch.Tensor, H_kv: int, P: int, groups: PrefixGroups 
         raise ValueError("inside torch.compile, pass prefix_groups as the GroupTables built ahead "
                          "(PrefixGroups.tables at triton_relay.grouped_launch_shape): a compiled graph cannot build "
                          "them, and would replay one call's layout for every later call")
-    from .triton_relay import _ACTIVE_CONFIG, grouped_launch_shape
+    from .triton_relay import active_config, grouped_launch_shape
 
     check_prefix_groups(groups, query.shape[0], P)
     B, H_q, L_q, D = query.shape
     folded = H_q // max(1, H_kv) * L_q
-    block_m, items = grouped_launch_shape(B * folded, D, groups, _ACTIVE_CONFIG.get())
-    return (*groups.tables(query.device, block_m, folded, items), [groups.depth, groups.segments_per_level])
+    block_m, items = grouped_launch_shape(B * folded, D, groups, active_config())
+    capturing = query.is_cuda and torch.cuda.is_current_stream_capturing()  # a graph must record pinned tables
+    return (*groups.tables(query.device, block_m, folded, items, pinned_only=capturing),
+            [groups.depth, groups.segments_per_level])
 
 
 __all__ = ["GroupTables", "PrefixGroups", "relay_attention", "relay_attention_torch", "triton_serves"]

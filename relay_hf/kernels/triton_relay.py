@@ -179,6 +179,11 @@ def use_config(config: KernelConfig) -> Iterator[KernelConfig]:
         _ACTIVE_CONFIG.reset(token)
 
 
+def active_config() -> KernelConfig:
+    """The configuration calls without a ``config`` argument use now (``use_config``'s, else ``DEFAULT_CONFIG``)."""
+    return _ACTIVE_CONFIG.get()
+
+
 def triton_available() -> bool:
     """Triton imports and can run here: a CUDA device, or the CPU interpreter (``TRITON_INTERPRET=1``)."""
     return triton is not None and (torch.cuda.is_available() or _interpreting())
@@ -1063,6 +1068,6 @@ def bytes_moved(B: int, H_q: int, H_kv: int, L_q: int, P: int, L_s: int, D: int,
     return itemsize * (2 * H_kv * P * D + 2 * B * H_kv * L_s * D + 2 * B * H_q * L_q * D)
 
 
-__all__ = ["DEFAULT_CONFIG", "KernelConfig", "bytes_moved", "grouped_launch_shape", "plan_group_splits", "plan_splits",
-           "plan_suffix_splits",
-           "relay_attention_triton", "triton_available", "use_config"]
+__all__ = ["DEFAULT_CONFIG", "KernelConfig", "active_config", "bytes_moved", "grouped_launch_shape",
+           "plan_group_splits", "plan_splits", "plan_suffix_splits", "relay_attention_triton", "triton_available",
+           "use_config"]

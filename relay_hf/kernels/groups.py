@@ -179,6 +179,14 @@ class PrefixGroups:
                 rows[j].append(b)
         return tuple(tuple(r) for r in rows)
 
+    def row_index(self, segment: int, device: torch.device) -> torch.Tensor:
+        """``[rows]`` int64 on ``device``: the rows that read ``segment`` (built once per device)."""
+        key = ("rows", segment, device)
+        found = self._tables.get(key)
+        if found is None:
+            found = self._tables[key] = torch.tensor(self.segment_rows[segment], dtype=torch.int64, device=device)
+        return found
+
     def level_rows(self, level: int) -> list[tuple[int, list[int]]]:
         """``(segment or -1, rows)`` of one level, segments in packing order, then the rows that read none there."""
         by_segment: dict[int, list[int]] = {}

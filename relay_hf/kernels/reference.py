@@ -34,10 +34,14 @@ class ReferenceConfig:
             shape (docs/performance.md, CPU section). fp64 (the tests' oracle) and other dtypes always write it out.
         max_score_elements: bound on the fp32 score matrix one written-out prefix chunk materialises (elements), so a
             long prefill does not allocate ``B*G*L_q*P`` floats at once.
+        split_tasks, min_split_keys: the fused prefix pass gives each thread at least ``split_tasks`` (head, split)
+            tasks, splitting the keys into pieces of at least ``min_split_keys`` (``_fused_prefix``).
     """
 
     fused_prefix: bool = HAS_CPU_FLASH
     max_score_elements: int = 1 << 26
+    split_tasks: int = 2
+    min_split_keys: int = 256
 
 
 DEFAULT_REFERENCE_CONFIG = ReferenceConfig()
@@ -166,9 +170,7 @@ def prefix_attention_torch(query: torch.Tensor, prefix_key: torch.Tensor, prefix
     # the fused op needs one head dim for K and V, and a non-empty one, and computes plain softmax attention
     if (config.fused_prefix and query.device.type == "cpu" and query.dtype == torch.float32 and D == D_v
             and D > 0 and softcap is None and prefix_start is None):
-        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-            rows[None], prefix_key, prefix_value, 0.0, False, scale=scale)[:2]  # [1, H_kv, N, D], [1, H_kv, N]
-        out, lse = out[0], lse[0]
+        out, lse = _fused_prefix(rows, prefix_key[0], prefix_value[0], scale, config)
     else:
         start = None if prefix_start is None else (  # [H_kv, N, 1]: rows ordered (b, g, i) as ``rows``
             prefix_start.long()[:, None, :].expand(B, G, L_q).reshape(1, B * G * L_q, 1).expand(H_kv, -1, -1))
@@ -177,6 +179,30 @@ def prefix_attention_torch(query: torch.Tensor, prefix_key: torch.Tensor, prefix
     out = out.view(H_kv, B, G, L_q, D_v).transpose(0, 1).reshape(B, H_q, L_q, D_v)
     lse = lse.view(H_kv, B, G, L_q).transpose(0, 1).reshape(B, H_q, L_q)
     return out, lse
+
+
+def _fused_prefix(rows: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, config: ReferenceConfig
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    """torch's fused CPU flash-attention kernel: ``rows [H_kv, N, D]`` against ``k`` / ``v [H_kv, P, D]`` (fp32),
+    ``(out [H_kv, N, D], lse [H_kv, N])``. The kernel runs a task per (batch, head): with fewer heads than
+    ``config.split_tasks`` per thread the keys are split into that many batch entries (flash-decoding on the CPU)
+    and the splits merged by LSE, so every thread streams the prefix (docs/performance.md, CPU rows)."""
+    H_kv, P, D = k.shape
+    op = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+    splits = min(-(-config.split_tasks * torch.get_num_threads() // H_kv), P // config.min_split_keys)
+    if splits < 2:
+        out, lse = op(rows[None], k[None], v[None], 0.0, False, scale=scale)[:2]  # [1, H_kv, N, D], [1, H_kv, N]
+        return out[0], lse[0]
+    chunk = P // splits
+    ks = k[:, :splits * chunk].reshape(H_kv, splits, chunk, D).transpose(0, 1)  # [splits, H_kv, chunk, D], a view
+    vs = v[:, :splits * chunk].reshape(H_kv, splits, chunk, D).transpose(0, 1)
+    out, lse = op(rows.expand(splits, -1, -1, -1), ks, vs, 0.0, False, scale=scale)[:2]  # [splits, H_kv, N, D]
+    if splits * chunk < P:  # the tail that does not fill a split
+        tail_out, tail_lse = op(rows[None], k[None, :, splits * chunk:], v[None, :, splits * chunk:], 0.0, False,
+                                scale=scale)[:2]
+        out, lse = torch.cat([out, tail_out]), torch.cat([lse, tail_lse])
+    total = torch.logsumexp(lse, 0)  # [H_kv, N]
+    return (torch.exp(lse - total)[..., None] * out).sum(0), total
 
 
 def _prefix_chunks(rows: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, max_score_elements: int,
@@ -210,8 +236,8 @@ def _prefix_chunks(rows: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: 
 
 def suffix_attention_torch(query: torch.Tensor, suffix_key: torch.Tensor, suffix_value: torch.Tensor, scale: float,
                            suffix_lengths: torch.Tensor | None, suffix_end: torch.Tensor | None = None,
-                           softcap: float | None = None, window: int | None = None
-                           ) -> tuple[torch.Tensor, torch.Tensor]:
+                           softcap: float | None = None, window: int | None = None,
+                           config: ReferenceConfig = DEFAULT_REFERENCE_CONFIG) -> tuple[torch.Tensor, torch.Tensor]:
     """Each row's queries against its own left-padded suffix, causal, GQA without expanding K/V; ``softcap`` as in
     ``prefix_attention_torch``; ``window``: a query sees only keys fewer than ``window`` positions back (its own
     included), or ``None``.
@@ -223,6 +249,8 @@ def suffix_attention_torch(query: torch.Tensor, suffix_key: torch.Tensor, suffix
         suffix_lengths: ``[B]`` integer, or ``None`` when every position before ``end`` is valid.
         suffix_end: one-element integer tensor ``end`` (a static buffer filled up to there), or ``None``: ``L_s``.
             Eager calls on CPU cut the buffer at ``end``; traced ones mask the tail (no data-dependent shape).
+        config: with ``fused_prefix``, fp32 on CPU runs torch's fused flash-attention kernel with the mask added
+            (the prefix pass's kernel), not the softmax written out.
 
     Returns:
         ``out_s [B, H_q, L_q, D_v]`` (accumulation dtype; zero where a query sees no key) and ``lse_s [B, H_q, L_q]``
@@ -237,9 +265,6 @@ def suffix_attention_torch(query: torch.Tensor, suffix_key: torch.Tensor, suffix
     G = H_q // H_kv
     acc = _acc_dtype(query.dtype)
     q = query.reshape(B, H_kv, G * L_q, D).to(acc)  # group folded into the query rows
-    scores = torch.matmul(q, suffix_key.to(acc).transpose(2, 3)) * scale  # [B, H_kv, G*L_q, L_s]
-    if softcap is not None:
-        scores = torch.tanh(scores / softcap) * softcap
     end = L_s if suffix_end is None else suffix_end.reshape(())  # a tensor stays a tensor: no host sync, traceable
     q_pos = torch.arange(L_q, device=query.device) + (end - L_q)
     k_pos = torch.arange(L_s, device=query.device)
@@ -250,6 +275,18 @@ def suffix_attention_torch(query: torch.Tensor, suffix_key: torch.Tensor, suffix
         first_valid = (end - suffix_lengths.long()).view(B, 1, 1)  # int64: no int8/uint8 wrap-around
         visible = visible & (k_pos.view(1, 1, L_s) >= first_valid)  # [B, L_q, L_s]
     visible = visible[:, None, None].expand(-1, 1, G, -1, -1).reshape(visible.shape[0], 1, G * L_q, L_s)
+    if (config.fused_prefix and query.device.type == "cpu" and query.dtype == torch.float32 and D == D_v and D > 0
+            and L_s > 0 and softcap is None and suffix_end is None and not torch.compiler.is_compiling()):
+        # torch's fused CPU kernel with the mask added: one call instead of the softmax written out (the prefix
+        # pass's kernel; docs/performance.md, CPU rows)
+        bias = torch.zeros(visible.shape, dtype=acc).masked_fill_(~visible, float("-inf")).expand(B, 1, -1, -1)
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+            q, suffix_key, suffix_value, 0.0, False, attn_mask=bias, scale=scale)[:2]  # [B, H_kv, G*L_q, D]
+        lse = lse.masked_fill(~visible.any(-1), float("-inf"))  # it reports 0 for a query that sees no key
+        return out.view(B, H_q, L_q, D_v), lse.view(B, H_q, L_q)
+    scores = torch.matmul(q, suffix_key.to(acc).transpose(2, 3)) * scale  # [B, H_kv, G*L_q, L_s]
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
     scores = scores.masked_fill(~visible, float("-inf"))
     lse = torch.logsumexp(scores, dim=-1)  # [B, H_kv, G*L_q]
     probs = torch.exp(scores - torch.where(torch.isinf(lse), 0.0, lse)[..., None])
@@ -342,15 +379,26 @@ def grouped_prefix_attention_torch(query: torch.Tensor, prefix_key: torch.Tensor
     acc = _acc_dtype(query.dtype)
     out = torch.zeros(B, H_q, L_q, prefix_value.shape[-1], dtype=acc, device=query.device)
     lse = torch.full((B, H_q, L_q), float("-inf"), dtype=acc, device=query.device)
-    for j, rows in enumerate(groups.segment_rows):
-        off, length = groups.offsets[j], groups.lengths[j]
-        if not rows or not length:
-            continue
-        idx = torch.tensor(rows, device=query.device)
-        start = None if first_position is None else first_position[idx] - groups.bases[j]
-        o, l_ = prefix_attention_torch(query[idx], prefix_key[:, :, off:off + length],
-                                       prefix_value[:, :, off:off + length], scale, config, softcap, start)
-        out[idx], lse[idx] = merge_partials(out[idx], lse[idx], o, l_)
+    for level in range(groups.depth):  # a row reads at most one segment per level: level 0 is written, not merged
+        for j, rows in groups.level_rows(level):
+            off, length = (groups.offsets[j], groups.lengths[j]) if j >= 0 else (0, 0)
+            if not length:
+                continue
+            every = len(rows) == B
+            idx = None if every else groups.row_index(j, query.device)
+            start = None if first_position is None else (
+                first_position if every else first_position.index_select(0, idx)) - groups.bases[j]
+            o, l_ = prefix_attention_torch(query if every else query.index_select(0, idx),
+                                           prefix_key[:, :, off:off + length], prefix_value[:, :, off:off + length],
+                                           scale, config, softcap, start)
+            if level:
+                o, l_ = merge_partials(out if every else out.index_select(0, idx),
+                                       lse if every else lse.index_select(0, idx), o, l_)
+            if every:
+                out, lse = o, l_
+            else:
+                out.index_copy_(0, idx, o)
+                lse.index_copy_(0, idx, l_)
     return out, lse
 
 
@@ -392,7 +440,7 @@ def relay_attention_torch(query: torch.Tensor, prefix_key: torch.Tensor, prefix_
         out_p, lse_p = grouped_prefix_attention_torch(query, prefix_key, prefix_value, scale, prefix_groups, config,
                                                       softcap, start)
     out_s, lse_s = suffix_attention_torch(query, suffix_key, suffix_value, scale, suffix_lengths, suffix_end,
-                                          softcap, window)
+                                          softcap, window, config)
     out, lse = merge_partials(out_p, lse_p, out_s, lse_s)
     if sinks is not None:
         out, _ = add_sinks(out, lse, sinks)

@@ -109,3 +109,20 @@ def test_static_buffer_traced_and_eager_agree(monkeypatch):
     monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
     traced = relay_attention_torch(q, pk, pv, sk, sv, suffix_lengths=lengths, suffix_end=end)
     assert torch.isfinite(traced).all() and rel_err(eager, traced) < 1e-6
+
+
+@pytest.mark.parametrize("P,threads", [(37, 1), (37, 2), (300, 2), (64, 3)])
+def test_split_fused_passes_equal_the_float64_oracle(P, threads):
+    """The fused CPU passes split the prefix's keys across the kernel's batch for more tasks than heads (and run the
+    tail that fills no split apart), and the suffix pass adds its mask to the same kernel: every query, padded and
+    empty rows included, still gets dense attention's answer."""
+    config = ReferenceConfig(min_split_keys=4)
+    q, pk, pv, sk, sv, lengths = make_inputs(4, 2, 3, 2, 9, P, 16, padded=True, seed=P)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        out = relay_attention_torch(q, pk, pv, sk, sv, suffix_lengths=lengths, config=config)
+    finally:
+        torch.set_num_threads(before)
+    assert torch.isfinite(out).all()
+    assert rel_err(out, dense_reference(q, pk, pv, sk, sv, suffix_lengths=lengths)) < 1e-5

@@ -189,7 +189,9 @@ def _fused_prefix(rows: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: f
     and the splits merged by LSE, so every thread streams the prefix (docs/performance.md, CPU rows)."""
     H_kv, P, D = k.shape
     op = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
-    splits = min(-(-config.split_tasks * torch.get_num_threads() // H_kv), P // config.min_split_keys)
+    splits = 1
+    if not torch.compiler.is_compiling():  # a traced graph keeps one call (the thread count is no graph value)
+        splits = min(-(-config.split_tasks * torch.get_num_threads() // H_kv), P // config.min_split_keys)
     if splits < 2:
         out, lse = op(rows[None], k[None], v[None], 0.0, False, scale=scale)[:2]  # [1, H_kv, N, D], [1, H_kv, N]
         return out[0], lse[0]

@@ -355,6 +355,26 @@ def type_batch(model):
     return ids, mask, pad
 
 
+def type_grouped_batch(model):
+    """5 left-padded rows: two ``TYPE_PREFIX``-token prompts (the second four tokens longer) with two rows each, and a
+    row that shares nothing; never a special id."""
+    vocab = model.get_input_embeddings().num_embeddings
+    ordinary = torch.tensor([t for t in range(3, vocab) if t not in _special_ids(model)])
+    g = torch.Generator().manual_seed(1)
+    pick = lambda n: ordinary[torch.randint(len(ordinary), (n,), generator=g)]  # noqa: E731
+    first, second = pick(TYPE_PREFIX), pick(TYPE_PREFIX + 4)
+    rows = [torch.cat([first, pick(2)]), torch.cat([second, pick(1)]), pick(TYPE_PREFIX + 1),
+            torch.cat([first, pick(3)]), torch.cat([second, pick(2)])]
+    T = max(len(r) for r in rows)
+    pad = model.generation_config.pad_token_id
+    pad = int(ordinary[0]) if pad is None else pad
+    ids = torch.full((len(rows), T), pad, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for b, row in enumerate(rows):
+        ids[b, T - len(row):], mask[b, T - len(row):] = row, 1
+    return ids, mask, pad
+
+
 # -- stock against patched -------------------------------------------------------------------------------------------
 def run_stock(model, ids, mask, seed=0, **gen):
     """``model.generate`` with the model unpatched, after seeding torch's RNG."""

@@ -25,6 +25,7 @@ from tests.helpers import (
     tiny_config,
     tiny_model_of_type,
     type_batch,
+    type_grouped_batch,
 )
 
 ARCHS = sorted(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)
@@ -87,6 +88,26 @@ def test_relay_hf_loop_equals_stock_or_goes_to_transformers_loop(model_type):
     decision = model.relay_last_decision
     assert torch.equal(out, stock), f"{type(model).__name__}: {decision}"
     assert decision.fast_decode or decision.loop_reason or not decision.used, decision
+
+
+@pytest.mark.parametrize("model_type", ARCHS)
+def test_several_prompts_and_a_row_with_none_equal_stock_or_decline(model_type):
+    """Two prompts of different lengths with two rows each and a row that shares nothing, on relay_hf's loop: stock's
+    tokens, or stock / transformers' loop with the reason recorded."""
+    model, _, _, _ = _stock(model_type)
+    ids, mask, pad = type_grouped_batch(model)
+    kwargs = dict(attention_mask=mask, max_new_tokens=TYPE_NEW_TOKENS, do_sample=False, pad_token_id=pad)
+    with torch.no_grad():
+        stock = model.generate(ids, **kwargs)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", relay_hf.RelayFallbackWarning)
+        relay_hf.patch(model, min_prefix_length=TYPE_PREFIX, decode="graph")
+    with torch.no_grad():
+        out = model.generate(ids, **kwargs)
+    decision = model.relay_last_decision
+    assert torch.equal(out, stock), f"{type(model).__name__}: {decision}"
+    if decision.used:
+        assert sorted(rows for _, rows, _ in decision.groups) == [2, 2], decision
 
 
 @pytest.mark.parametrize("static", [False, True])

@@ -40,15 +40,16 @@ def one_thread():
     torch.set_num_threads(threads)
 
 
-def _stock(model_type: str):
-    """The tiny model, its batch and stock's greedy tokens; skips where stock itself cannot build or run."""
+def _stock(model_type: str, batch=type_batch):
+    """The tiny model, its batch (``batch(model)``) and stock's greedy tokens; skips where stock itself cannot build
+    or run."""
     try:
         model = tiny_model_of_type(model_type)
     except TooBig:
         raise
     except Exception as err:
         pytest.skip(f"stock cannot build a tiny {model_type}: {type(err).__name__}: {str(err)[:200]}")
-    ids, mask, pad = type_batch(model)
+    ids, mask, pad = batch(model)
     kwargs = dict(attention_mask=mask, max_new_tokens=TYPE_NEW_TOKENS, do_sample=False, pad_token_id=pad)
     try:
         with torch.no_grad():
@@ -75,17 +76,22 @@ def test_relay_equals_stock_or_declines(model_type):
         assert torch.equal(out, stock), f"{type(model).__name__}: the stock fallback differs from stock"
 
 
-@pytest.mark.parametrize("model_type", ARCHS)
-def test_relay_hf_loop_equals_stock_or_goes_to_transformers_loop(model_type):
-    """The same call on relay_hf's decode loop (the default on CUDA; ``decode="graph"`` runs it here): stock's tokens,
-    or transformers' loop / stock with the reason recorded; never a crash stock does not have."""
-    model, ids, kwargs, stock = _stock(model_type)
+def _on_relay_loop(model, ids, kwargs):
+    """The patched call on relay_hf's decode loop (``decode="graph"``): ``(tokens, decision)``."""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", relay_hf.RelayFallbackWarning)
         relay_hf.patch(model, min_prefix_length=TYPE_PREFIX, decode="graph")
     with torch.no_grad():
         out = model.generate(ids, **kwargs)
-    decision = model.relay_last_decision
+    return out, model.relay_last_decision
+
+
+@pytest.mark.parametrize("model_type", ARCHS)
+def test_relay_hf_loop_equals_stock_or_goes_to_transformers_loop(model_type):
+    """The same call on relay_hf's decode loop (the default on CUDA; ``decode="graph"`` runs it here): stock's tokens,
+    or transformers' loop / stock with the reason recorded; never a crash stock does not have."""
+    model, ids, kwargs, stock = _stock(model_type)
+    out, decision = _on_relay_loop(model, ids, kwargs)
     assert torch.equal(out, stock), f"{type(model).__name__}: {decision}"
     assert decision.fast_decode or decision.loop_reason or not decision.used, decision
 
@@ -94,17 +100,8 @@ def test_relay_hf_loop_equals_stock_or_goes_to_transformers_loop(model_type):
 def test_several_prompts_and_a_row_with_none_equal_stock_or_decline(model_type):
     """Two prompts of different lengths with two rows each and a row that shares nothing, on relay_hf's loop: stock's
     tokens, or stock / transformers' loop with the reason recorded."""
-    model, _, _, _ = _stock(model_type)
-    ids, mask, pad = type_grouped_batch(model)
-    kwargs = dict(attention_mask=mask, max_new_tokens=TYPE_NEW_TOKENS, do_sample=False, pad_token_id=pad)
-    with torch.no_grad():
-        stock = model.generate(ids, **kwargs)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", relay_hf.RelayFallbackWarning)
-        relay_hf.patch(model, min_prefix_length=TYPE_PREFIX, decode="graph")
-    with torch.no_grad():
-        out = model.generate(ids, **kwargs)
-    decision = model.relay_last_decision
+    model, ids, kwargs, stock = _stock(model_type, type_grouped_batch)
+    out, decision = _on_relay_loop(model, ids, kwargs)
     assert torch.equal(out, stock), f"{type(model).__name__}: {decision}"
     if decision.used:
         assert sorted(rows for _, rows, _ in decision.groups) == [2, 2], decision

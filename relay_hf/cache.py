@@ -27,7 +27,7 @@ from transformers.cache_utils import Cache, CacheLayerMixin, DynamicCache
 from transformers.utils import is_torchdynamo_compiling
 
 from ._compat import attn_implementation, cache_kwarg_name
-from .kernels.groups import PrefixGroups
+from .kernels.groups import PrefixGroups, window_kept
 from .prefix import PrefixTree
 
 ATTN_NAME = "relay"
@@ -452,14 +452,14 @@ class RelayCache(Cache):
         # a sliding-window layer keeps of each segment only what a query after it can see (its last window - 1
         # tokens), where that saves enough; every other layer keeps it all
         windows = [trim_window(w, tree.lengths) for w in layer_windows(model)]
+        ends = [start + n for start, n in zip(tree.starts(), tree.lengths)]
+        states = [_kv(done[j]) for j in range(len(tree.ids))]  # per segment, per layer (keys, values)
         kv = []
         for i, window in enumerate(windows):
             parts = []
-            for j, n in enumerate(tree.lengths):
-                k, v = _kv(done[j])[i]
-                end = tree.starts()[j] + n
-                keep = n if window is None else min(n, window - 1)
-                parts.append((k[:, :, end - keep:end], v[:, :, end - keep:end]))
+            for j, keep in enumerate(window_kept(tree.lengths, window)):
+                k, v = states[j][i]
+                parts.append((k[:, :, ends[j] - keep:ends[j]], v[:, :, ends[j] - keep:ends[j]]))
             if len(parts) == 1 and window is None:
                 kv.append(parts[0])
             else:  # packed (and a trimmed layer's own storage, so the dropped tokens are freed)
@@ -490,12 +490,11 @@ class RelayCache(Cache):
             keys, values = [], []
             for c in caches:
                 lay = c.layers[i]
-                stored = _stored_lengths(lay, c.tree.lengths)
+                stored = window_kept(c.tree.lengths, lay.window)
                 if lay.window is not None and lay.window != window:
                     raise ValueError("combine takes RelayCaches of one model")
                 at = 0
-                for n in stored:
-                    keep = n if window is None else min(n, window - 1)
+                for n, keep in zip(stored, window_kept(stored, window)):
                     keys.append(lay.prefix_keys[:, :, at + n - keep:at + n])
                     values.append(lay.prefix_values[:, :, at + n - keep:at + n])
                     at += n
@@ -750,13 +749,7 @@ def trim_window(window: int | None, lengths) -> int | None:
     (that keeps at most ``TRIM_AT_MOST`` of them), else ``None`` (it stores the segments whole)."""
     if window is None or not lengths:
         return None
-    kept = sum(min(n, window - 1) for n in lengths)
-    return window if kept <= TRIM_AT_MOST * sum(lengths) else None
-
-
-def _stored_lengths(layer: RelayLayer, lengths) -> list[int]:
-    """The tokens ``layer`` stores of each segment of these ``lengths``."""
-    return [n if layer.window is None else min(n, layer.window - 1) for n in lengths]
+    return window if sum(window_kept(lengths, window)) <= TRIM_AT_MOST * sum(lengths) else None
 
 
 def layer_windows(model) -> list[int | None]:

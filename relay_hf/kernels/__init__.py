@@ -137,9 +137,7 @@ def _tables_for_op(query: torch.Tensor, H_kv: int, P: int, groups: PrefixGroups 
     B, H_q, L_q, D = query.shape
     folded = H_q // max(1, H_kv) * L_q
     block_m, items = grouped_launch_shape(B * folded, D, groups, active_config())
-    capturing = query.is_cuda and torch.cuda.is_current_stream_capturing()  # a graph must record pinned tables
-    return (*groups.tables(query.device, block_m, folded, items, pinned_only=capturing),
-            [groups.depth, groups.segments_per_level])
+    return (*groups.tables(query.device, block_m, folded, items), [groups.depth, groups.segments_per_level])
 
 
 __all__ = ["GroupTables", "PrefixGroups", "relay_attention", "relay_attention_torch", "triton_serves"]

@@ -30,6 +30,12 @@ import torch
 ITEM_FIELDS = ("offset", "length", "base", "row_start", "rows", "block_start", "level")
 
 
+def window_kept(lengths: Sequence[int], window: int | None) -> list[int]:
+    """Of segments of these ``lengths``, the tokens a layer with a sliding ``window`` needs: each segment's last
+    ``window - 1`` (a query after a segment sees no further back); all of them without a window."""
+    return list(lengths) if window is None else [min(n, window - 1) for n in lengths]
+
+
 class GroupTables(NamedTuple):
     """A grouped call's device tables, built ahead (``PrefixGroups.tables``) for one launch shape: what the custom
     op hands the kernels, which cannot take a Python object through ``torch.library``."""
@@ -203,7 +209,7 @@ class PrefixGroups:
         """The view a sliding-window layer stores: of each segment only its last ``window - 1`` tokens, the most a
         query after it can see (a row's first query sits right after its prefix). Same rows, positions and plan;
         ``self`` when nothing would be dropped."""
-        keep = [min(n, window - 1) for n in self.lengths]
+        keep = window_kept(self.lengths, window)
         if keep == list(self.lengths):
             return self
         return PrefixGroups(keep, self.paths, self.segments_per_level,
@@ -255,14 +261,14 @@ class PrefixGroups:
         items.extend([[0, 0, 0, 0, 0, 0, 0]] * (capacity - len(items)))
         return items, row_list
 
-    def tables(self, device: torch.device, block_m: int, folded: int, capacity: int, pinned_only: bool = False
+    def tables(self, device: torch.device, block_m: int, folded: int, capacity: int
                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """``(items [capacity, 7], rows [depth * B], row_prefix [B])`` int32 on ``device`` for one launch shape, built
-        once and cached (or the buffers ``pin`` placed there). ``pinned_only`` (a CUDA graph is being captured):
-        only pinned buffers will do, since a graph that recorded this object's own tables would read them in every
-        later replay, whatever layout a later call has."""
+        once and cached (or the buffers ``pin`` placed there). While a CUDA graph is being captured only pinned
+        buffers will do: a graph that recorded this object's own tables would read them in every later replay,
+        whatever layout a later call has."""
         key = (device, block_m, folded, capacity)
-        if pinned_only and key not in self._pinned:
+        if key not in self._pinned and device.type == "cuda" and torch.cuda.is_current_stream_capturing():
             raise ValueError("a CUDA graph over several prefixes needs their kernel tables pinned in buffers of its "
                              "own (a static RelayCache pins them for its decode shape)")
         found = self._tables.get(key)

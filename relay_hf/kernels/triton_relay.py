@@ -1020,8 +1020,7 @@ def relay_attention_triton(query: torch.Tensor, prefix_key: torch.Tensor, prefix
     elif isinstance(prefix_groups, GroupTables):
         items, rows, row_prefix = prefix_groups.items, prefix_groups.rows, prefix_groups.row_prefix
     else:
-        capturing = launch.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
-        items, rows, row_prefix = prefix_groups.tables(launch.device, *launch.table_shape, pinned_only=capturing)
+        items, rows, row_prefix = prefix_groups.tables(launch.device, *launch.table_shape)
     sink = plse if sinks is None else sinks
     args = (query, prefix_key, prefix_value, kd, vd, suffix_key, suffix_value, lens, end, po, plse, out, items, rows,
             row_prefix, sink, q_st, launch.pk_st, launch.pv_st, sk_st, sv_st, o_st, launch.dims, scale_log2, cap,

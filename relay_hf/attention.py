@@ -8,7 +8,7 @@ switches of the model's settings (so concurrent calls on one model cannot distur
   one it had before ``patch``: sdpa, eager, flash...; sdpa for a model that was never patched). The module's logit
   softcap, attention sinks and sliding window go to ``relay_attention`` as they are.
 * ``relay_mask`` (``AttentionMaskInterface``) builds exactly the own implementation's mask. Only for a layer of a
-  dynamic ``RelayCache`` (the one cache that reports ``kv_offset = P > 0``), full or sliding, it returns a
+  dynamic ``RelayCache`` (the one cache whose ``kv_offset`` is a ``RelayOffset``), full or sliding, it returns a
   ``RelayMask`` instead: ``suffix_lengths``, each row's valid (non-pad) suffix tokens. A static
   ``RelayCache`` carries its rows' extents with its keys and reports no mask positions (``kv_length == 0``): no mask
   is built, so a compiled decode step has no mask work.
@@ -26,7 +26,7 @@ from transformers.masking_utils import AttentionMaskInterface, causal_mask_funct
 from transformers.utils import is_torchdynamo_compiling
 
 from ._compat import attn_implementation, eager_attention_function, registered_attention, registered_mask
-from .cache import ATTN_NAME, RELAY_NAMES, STOCK_OF, RelayKV
+from .cache import ATTN_NAME, RELAY_NAMES, STOCK_OF, RelayKV, RelayOffset
 from .kernels import relay_attention
 
 DEFAULT_STOCK = "sdpa"
@@ -82,7 +82,9 @@ def relay_mask(batch_size: int, q_length: int, kv_length: int, q_offset: int = 0
     name = stock_implementation(kwargs.get("config"))
     args = dict(batch_size=batch_size, q_length=q_length, kv_length=kv_length, q_offset=q_offset,
                 kv_offset=kv_offset, mask_function=mask_function, attention_mask=attention_mask, **kwargs)
-    if kv_offset == 0:  # no relay prefix in front of these keys
+    # no relay prefix in front of these keys (a stock sliding-window layer reports an offset too, once its window is
+    # full: only a RelayCache's offset is a RelayOffset)
+    if not isinstance(kv_offset, RelayOffset):
         return _stock_mask(name, **args)
     # a relay prefix (a sliding layer too: relay attention applies the window itself, by each row's positions)
     suffix_lengths = None

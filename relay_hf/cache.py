@@ -48,6 +48,15 @@ def is_relay_name(name: str | None) -> bool:
     return name in STOCK_OF
 
 
+class RelayOffset(int):
+    """The ``kv_offset`` a ``RelayCache`` layer reports to transformers' mask creation: the prefix columns in front of
+    the keys the mask covers. A type of its own because transformers' sliding-window layers also report
+    ``kv_offset > 0`` (once their window is full): ``attention.relay_mask`` builds a relay mask for this type only and
+    the own implementation's mask for every other offset."""
+
+    __slots__ = ()
+
+
 class RelayKV(NamedTuple):
     """Keys (or values) of one layer as two parts: ``prefix [1, H_kv, P, D]`` and ``suffix [B, H_kv, L_s, D]``.
 
@@ -209,8 +218,8 @@ class RelayLayer(CacheLayerMixin):
     def get_mask_sizes(self, query_length: int, relay: bool = False) -> tuple[int, int]:
         if relay and self.prefix_keys is not None:
             if self.suffix_padding is not None:  # its keys carry every row's extent: no mask to build
-                return 0, self.prefix_length
-            return self.suffix_length + query_length, self.prefix_length
+                return 0, RelayOffset(self.prefix_length)
+            return self.suffix_length + query_length, RelayOffset(self.prefix_length)
         return self.get_seq_length() + query_length, 0
 
     def get_max_length(self) -> int:
@@ -731,6 +740,8 @@ class RelayCache(Cache):
 def _prefix_ids(ids, name: str) -> torch.Tensor:
     """``[P]`` integer token ids from a tensor or list (``[1, P]`` accepted), else ``ValueError`` naming ``name``."""
     ids = torch.as_tensor(ids)
+    if ids.numel() == 0:  # checked first: an empty list becomes a float tensor
+        raise ValueError(f"{name} is empty: a prefix needs at least one token")
     if ids.dtype.is_floating_point or ids.dtype == torch.bool:
         raise ValueError(f"{name} must be integer token ids, got dtype {ids.dtype}")
     if ids.dim() == 2 and ids.shape[0] == 1:

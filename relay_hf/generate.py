@@ -24,7 +24,7 @@ from transformers import LogitsProcessorList, StoppingCriteriaList
 from transformers.generation.stopping_criteria import StopStringCriteria
 from transformers.generation.streamers import BaseStreamer
 
-from ._compat import cache_kwarg_name
+from ._compat import cache_kwarg_name, output_cache
 from .cache import RelayCache
 from .decode import fast_generate
 from .policy import CACHE_NAMES, Plan, RelayDecision, decide
@@ -167,6 +167,7 @@ def _run_relay(model, stock, call: dict, plan: Plan):
         cache.reserve(layout.columns - layout.prefix_columns + plan.new_tokens)
     else:
         cache = slot.cache
+    out = None
     try:
         if plan.fast_decode:
             streamer = call.get("streamer")
@@ -187,7 +188,9 @@ def _run_relay(model, stock, call: dict, plan: Plan):
         _wrap_user_hooks(call, layout, plan)
         out = stock(layout.ids, **call)
     finally:
-        if slot is not None:
+        # a slot whose cache the output hands the caller (return_dict_in_generate) is the caller's now: pooled, a
+        # later call would refill the buffers under the caller's continuation
+        if slot is not None and (out is None or output_cache(out) is not slot.cache):
             model._relay_state.give_back_static(slot)
     if isinstance(out, torch.Tensor):
         return layout.to_stock(out)

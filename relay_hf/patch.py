@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import warnings
 
+import torch
+
 from . import attention
 from ._compat import attn_implementation, can_set_attn_implementation
 from .cache import is_relay_name
@@ -70,6 +72,14 @@ def _switch_back(model, original: str) -> None:
         attention.set_stock_implementation(config, None)
 
 
+def _check_model(model, what: str) -> None:
+    """``TypeError`` naming what ``what`` takes, for anything that is not a transformers model with ``generate``."""
+    if not (isinstance(model, torch.nn.Module) and hasattr(model, "config") and callable(getattr(model, "generate",
+                                                                                                 None))):
+        raise TypeError(f"relay_hf.{what} takes a transformers model with generate (e.g. from "
+                        f"AutoModelForCausalLM.from_pretrained), got {type(model).__name__}")
+
+
 def patch(model, *, min_prefix_length: int = DEFAULT_MIN_PREFIX_LENGTH, decode: str = "auto"):
     """Make batched ``model.generate`` use relay attention whenever its rows share a token prefix.
 
@@ -87,6 +97,7 @@ def patch(model, *, min_prefix_length: int = DEFAULT_MIN_PREFIX_LENGTH, decode: 
     that does more than hand its KV to the attention function...) keeps its attention; a ``RelayFallbackWarning``
     says why and ``generate`` stays stock.
     """
+    _check_model(model, "patch")
     if not isinstance(min_prefix_length, int) or isinstance(min_prefix_length, bool) or min_prefix_length < 0:
         raise ValueError(f"min_prefix_length must be a non-negative int, got {min_prefix_length!r}")
     if decode not in DECODE_MODES:
@@ -121,6 +132,7 @@ def patch(model, *, min_prefix_length: int = DEFAULT_MIN_PREFIX_LENGTH, decode: 
 
 def unpatch(model):
     """Undo ``patch``: the instance's own attention implementation and the class's ``generate`` come back."""
+    _check_model(model, "unpatch")
     state = model.__dict__.pop("_relay_state", None)
     if state is None:
         return model
@@ -132,4 +144,5 @@ def unpatch(model):
 
 
 def is_patched(model) -> bool:
-    return "_relay_state" in model.__dict__
+    """Whether ``model`` is patched by ``relay_hf.patch`` (``False`` for anything that is not a model)."""
+    return "_relay_state" in getattr(model, "__dict__", {})

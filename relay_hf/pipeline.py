@@ -31,8 +31,8 @@ from __future__ import annotations
 
 import copy
 import threading
+import types
 import weakref
-from collections import OrderedDict
 
 import torch
 from transformers import AutoModelForCausalLM, TextGenerationPipeline
@@ -42,8 +42,9 @@ from transformers.pipelines import PIPELINE_REGISTRY
 from ._compat import cache_kwarg_name, chat_messages, pipeline_chat
 from .cache import RelayCache
 from .patch import is_patched, patch, unpatch
-from .policy import CACHE_NAMES, model_reason
+from .policy import CACHE_NAMES, keep_reason
 from .prefix import common_prefix_length, left_padding
+from .store import PrefixStore, kv_dependencies
 
 TASK = "relay-text-generation"
 # two user turns that differ from their first character, to find where the rendered conversations diverge
@@ -72,8 +73,11 @@ class RelayTextGenerationPipeline(TextGenerationPipeline):
       attention implementation name to ``"relay"``.) As with any pipeline, ``device=`` moves the model.
 
     The ``RelayCache`` of a system prompt is built lazily, once, under a lock (concurrent calls from several threads
-    share one prefill), and never for a model relay cannot serve (``relay_hf.policy.model_reason``): such a model
-    runs stock ``generate`` with the system prompt in every row.
+    share one prefill), and never for a model relay cannot serve now (``relay_hf.policy.keep_reason``: not patched,
+    declined, in training mode): such a model runs stock ``generate`` with the system prompt in every row. Kept
+    prompts live in a ``relay_hf.store.PrefixStore`` keyed by their tokens and by what their KV depends on: after the
+    weights change (a training step, ``load_state_dict``), ``model.to(...)``, a switch of training mode or adapters,
+    the next call prefills again instead of reading KV of the model as it was.
     """
 
     def __init__(self, model, tokenizer=None, *args, system_prompt: str | None = None,
@@ -84,10 +88,8 @@ class RelayTextGenerationPipeline(TextGenerationPipeline):
             raise ValueError("a pipeline's system_prompt is one string (a list per input goes with the call)")
         super().__init__(model, _left_padding_tokenizer(tokenizer), *args, **kwargs)
         self._system_prompt = system_prompt
-        self.prefix_cache_bytes = prefix_cache_bytes
-        # rendered prefix ids -> prefilled RelayCache, least recently used first; guarded by _lock (one prefill per
-        # prompt however many threads call)
-        self._caches: OrderedDict[tuple[int, ...], RelayCache] = OrderedDict()
+        # rendered prefix ids -> prefilled RelayCache (one prefill per prompt however many threads call)
+        self._store = PrefixStore(prefix_cache_bytes, _nbytes)
         # the last batch's prompts (their caches) packed together, reused by the next batch of the same prompts
         self._combined: tuple[tuple[RelayCache, ...], RelayCache] | None = None
         self._lock = threading.RLock()
@@ -100,6 +102,16 @@ class RelayTextGenerationPipeline(TextGenerationPipeline):
     def system_prompt(self) -> str | None:
         return self._system_prompt
 
+    @property
+    def prefix_cache_bytes(self) -> int:
+        """Bytes of prefilled system prompts kept between calls."""
+        return self._store.budget_bytes
+
+    @prefix_cache_bytes.setter
+    def prefix_cache_bytes(self, value: int) -> None:
+        self._store.budget_bytes = PrefixStore(value, _nbytes).budget_bytes  # validated as at construction
+        self._store.trim()
+
     @system_prompt.setter
     def system_prompt(self, value: str | None) -> None:
         if value is not None and not isinstance(value, str):
@@ -110,7 +122,7 @@ class RelayTextGenerationPipeline(TextGenerationPipeline):
         """Drop the prefilled system prompts and let go of the patch this pipeline applied (see the class docstring);
         once the patch is undone, calls run stock ``generate``."""
         with self._lock:
-            self._caches.clear()
+            self._store.clear()
             self._combined = None
         if self._finalizer is not None:
             self._finalizer()
@@ -142,8 +154,14 @@ class RelayTextGenerationPipeline(TextGenerationPipeline):
                                     **kwargs)
         if isinstance(text_inputs, str) or _is_chat(text_inputs):
             return super().__call__(_Item(text_inputs, system_prompt, 0), *args, **kwargs)
-        raise ValueError("a call's system_prompt goes with a string, a chat or a list of them; set "
-                         "pipe.system_prompt for generators and datasets")
+        if isinstance(text_inputs, torch.utils.data.Dataset) and hasattr(text_inputs, "__getitem__") and hasattr(
+                text_inputs, "__len__"):  # a map-style dataset (KeyDataset...): stays a dataset, streamed lazily
+            return super().__call__(_ItemDataset(text_inputs, system_prompt), *args, **kwargs)
+        if isinstance(text_inputs, (types.GeneratorType, torch.utils.data.IterableDataset)):
+            items = (_Item(x, system_prompt, i) for i, x in enumerate(text_inputs))
+            return super().__call__(items, *args, **kwargs)
+        raise ValueError(f"a call's system_prompt goes with a string, a chat, a list of them, a generator or a "
+                         f"dataset, not a {type(text_inputs).__name__}")
 
     def _with_system(self, item) -> tuple[object, str | None]:
         """``item`` as the conversation to render (a chat that starts with a system message, unless it has no
@@ -194,39 +212,31 @@ class RelayTextGenerationPipeline(TextGenerationPipeline):
         """The ``RelayCache`` of ``system_prompt`` (default: the pipeline's), prefilled on first use and kept;
         ``None`` without a system prompt, or when relay cannot serve the model (then no cache is built at all)."""
         system_prompt = self._system_prompt if system_prompt is None else system_prompt
-        return self._caches_for([system_prompt])[0] if system_prompt is not None else None
+        return self._caches_for([system_prompt])[0][0] if system_prompt is not None else None
 
-    def _caches_for(self, system_prompts) -> list[RelayCache | None]:
-        """One prefilled ``RelayCache`` per system prompt (``None`` where it has no prefix, or relay cannot serve
-        the model), from the kept ones where possible; then the least recently used are dropped down to
-        ``prefix_cache_bytes`` (these excepted)."""
+    def _caches_for(self, system_prompts) -> tuple[list[RelayCache | None], list[tuple[int, ...]]]:
+        """One prefilled ``RelayCache`` per system prompt (``None`` where it has no prefix, or no prefix may be kept
+        now: ``policy.keep_reason``), from the kept ones where they were built for the model as it is now; then the
+        least recently used are dropped down to ``prefix_cache_bytes`` (these excepted). Also returns the store keys
+        of the caches, for the call to hold while it runs."""
         with self._lock:
-            if model_reason(self.model) is not None:
-                return [None for _ in system_prompts]
-            out, used = [], set()
+            if keep_reason(self.model) is not None:
+                return [None for _ in system_prompts], []
+            depends = kv_dependencies(self.model)
+            out, used = [], []
             for system_prompt in system_prompts:
                 ids = self.prefix_ids(system_prompt)
                 if ids is None:
                     out.append(None)
                     continue
                 key = tuple(ids.tolist())
-                cache = self._caches.get(key)
-                if cache is None:
-                    cache = RelayCache.from_prefix(self.model, ids)
-                self._caches[key] = cache
-                self._caches.move_to_end(key)
-                used.add(key)
-                out.append(cache)
-            held = sum(_nbytes(c) for c in self._caches.values())
-            for key in list(self._caches):
-                if held <= self.prefix_cache_bytes:
-                    break
-                if key not in used:
-                    held -= _nbytes(self._caches.pop(key))
-            kept = {id(c) for c in self._caches.values()}
+                out.append(self._store.get(key, depends, lambda ids=ids: RelayCache.from_prefix(self.model, ids)))
+                used.append(key)
+            self._store.trim(keep=used)
+            kept = {id(c) for c in self._store.values()}
             if self._combined is not None and not all(id(c) in kept for c in self._combined[0]):
-                self._combined = None  # it holds a dropped prompt's KV: let that go too
-            return out
+                self._combined = None  # it holds a dropped (or stale) prompt's KV: let that go too
+            return out, used
 
     def _combine(self, caches: list[RelayCache]) -> RelayCache:
         """One cache holding these prompts' prefixes: the last batch's packing again when its prompts were the
@@ -241,23 +251,39 @@ class RelayTextGenerationPipeline(TextGenerationPipeline):
 
     def kept_system_prompts(self) -> int:
         """How many prefilled system prompts the pipeline keeps now."""
-        return len(self._caches)
+        return len(self._store)
 
     def _forward(self, model_inputs, **generate_kwargs):
         system_prompts = model_inputs.pop(_SYSTEM, None)
         if not isinstance(system_prompts, list):  # batch size 1: the item's own value
             system_prompts = [system_prompts]
         ids, mask = model_inputs["input_ids"], model_inputs.get("attention_mask")
+        used = []
         if (ids.shape[1] > 0 and None not in system_prompts
                 and not any(generate_kwargs.get(name) is not None for name in CACHE_NAMES)):
             distinct = list(dict.fromkeys(system_prompts))
-            caches = self._caches_for(distinct)
+            caches, used = self._caches_for(distinct)
             if all(c is not None for c in caches):
                 cache = self._combine(caches)
                 n_pad = left_padding(mask if mask is not None else torch.ones_like(ids))
                 if n_pad is not None and _matches(cache, ids, n_pad):
                     generate_kwargs[cache_kwarg_name(self.model)] = cache
-        return super()._forward(model_inputs, **generate_kwargs)
+        with self._store.holding(used):  # another thread's batch does not evict this one's prompts meanwhile
+            return super()._forward(model_inputs, **generate_kwargs)
+
+
+class _ItemDataset(torch.utils.data.Dataset):
+    """A map-style dataset whose items carry one system prompt (a call's ``system_prompt=`` over a dataset): still a
+    dataset, so the pipeline streams it lazily, with its ``num_workers``."""
+
+    def __init__(self, dataset, system_prompt: str | None):
+        self.dataset, self.system_prompt = dataset, system_prompt
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def __getitem__(self, i):
+        return _Item(self.dataset[i], self.system_prompt, i)
 
 
 class _Item:

@@ -61,6 +61,7 @@ _LOOP_ARGS = {"inputs", "input_ids", "attention_mask", "generation_config", "str
               "stopping_criteria", "use_model_defaults", "tokenizer", "cache", "past_key_values", "synced_gpus",
               "compile_config"}
 DECODE_MODES = ("auto", "graph", "compile", "eager")
+TRAINING = "the model is in training mode (call model.eval())"
 
 
 @dataclass
@@ -156,6 +157,16 @@ def model_reason(model) -> str | None:
     if not is_relay_name(name):
         return f"the model's attention implementation was set to {name!r} after relay_hf.patch"
     return None
+
+
+def keep_reason(model) -> str | None:
+    """Why no prefix may be prefilled now and kept for later calls (a pipeline's system prompts), or ``None``: relay
+    cannot serve the model (``model_reason``), or it is in training mode (its prefill would run dropout, and the
+    KV kept would be a random draw, not the model's)."""
+    why = model_reason(model)
+    if why is None and model.training:
+        why = TRAINING
+    return why
 
 
 def relay_pays(rows: int, prefix_length: int, device: torch.device, min_prefix_length: int,
@@ -257,7 +268,9 @@ def compile_config(model, gen: GenerationConfig) -> CompileConfig | None:
 def check_cache(model, cache: RelayCache, ids: torch.Tensor, n_pad: torch.Tensor) -> Grouping:
     """Each row's path in ``cache``'s prefixes; raise ``ValueError`` naming what makes ``cache`` unusable for these
     rows on this model (a row that starts with none of its prefixes: which row, and where it differs)."""
-    if cache.tree is None or cache.layers[0].prefix_keys is None or cache.groups is not None:
+    # a cache a call returned (a fork: its prefixes, and suffixes the new call lays out again) serves as well as the
+    # one it was forked from
+    if cache.tree is None or cache.layers[0].prefix_keys is None:
         raise ValueError("RelayCache holds no prefix; build it with RelayCache.from_prefix(model, prefix_ids)")
     if cache.config is not model.config:
         raise ValueError("RelayCache was built for another model (its config is not this model's): build one with "
@@ -270,7 +283,10 @@ def check_cache(model, cache: RelayCache, ids: torch.Tensor, n_pad: torch.Tensor
         raise ValueError(f"RelayCache prefix dtype is {k.dtype} but the model runs in {model.dtype}")
     if k.device != model.device:
         raise ValueError(f"RelayCache prefix is on {k.device} but the model is on {model.device}")
-    return Grouping(cache.tree, tuple(cache.tree.match(ids, n_pad)))
+    # the cache a grouped call returned (a fork with groups) continues all of that call's rows, those that read no
+    # prefix too; a cache the user built refuses a row under none of its prefixes (a tokenization slip, most likely)
+    allow_none = cache.groups is not None
+    return Grouping(cache.tree, tuple(cache.tree.match(ids, n_pad, allow_none)))
 
 
 def batch_grouping(model, ids: torch.Tensor, n_pad: torch.Tensor, rows: int, captured: bool) -> Grouping:
@@ -315,7 +331,7 @@ def _decide(model, call: dict) -> Plan:
     if why is not None:
         raise _Stock(why, expected=True)
     if model.training:  # dropout draws its random numbers in another order once the prefix is prefilled apart
-        raise _Stock("the model is in training mode (call model.eval())")
+        raise _Stock(TRAINING)
     cache = user_cache(call)
     if cache is not None and not isinstance(cache, RelayCache):
         raise _Stock(f"a {type(cache).__name__} was passed as the cache", expected=True)

@@ -120,10 +120,11 @@ class PrefixTree:
         """``[P]`` the whole prefix ending with segment ``j``."""
         return torch.cat([self.ids[i] for i in self.path(j)])
 
-    def match(self, input_ids: torch.Tensor, n_pad: torch.Tensor) -> list[tuple[int, ...]]:
+    def match(self, input_ids: torch.Tensor, n_pad: torch.Tensor, allow_none: bool = False) -> list[tuple[int, ...]]:
         """Each row's path: the deepest segment whose full prefix its real tokens start with, leaving at least one
-        token after it. Raises ``ValueError`` naming the first row that matches no root (and, for a one-prefix tree,
-        the position where it differs)."""
+        token after it. A row that matches no root raises ``ValueError`` naming it (and, for a one-prefix tree, the
+        position where it differs), or with ``allow_none`` gets the empty path (it reads no prefix) as long as some
+        row matches one."""
         ids, n_pad = input_ids.cpu(), n_pad.cpu()
         best: list[tuple[int, ...]] = [() for _ in range(ids.shape[0])]
         for j in sorted(range(len(self.ids)), key=lambda j: len(self.path(j))):
@@ -139,6 +140,8 @@ class PrefixTree:
             for b in hits:
                 if len(self.path(j)) > len(best[b]):
                     best[b] = self.path(j)
+        if allow_none and any(best):
+            return best
         for b, path in enumerate(best):
             if not path:
                 if len(self.ids) == 1:

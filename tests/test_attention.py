@@ -7,15 +7,15 @@ from transformers.masking_utils import sdpa_mask
 
 from relay_hf import attention
 from relay_hf.attention import RelayMask, relay_attention_forward, relay_mask
-from relay_hf.cache import RelayKV
+from relay_hf.cache import RelayKV, RelayOffset
 
 
 def test_mask_on_a_relay_cache_is_the_suffix_lengths():
     mask2d = torch.tensor([[1, 1, 1, 0, 0, 1, 1], [1, 1, 1, 1, 1, 1, 1]], dtype=torch.bool)
-    kw = dict(batch_size=2, q_length=2, kv_length=4, q_offset=5, kv_offset=3, attention_mask=mask2d)
+    kw = dict(batch_size=2, q_length=2, kv_length=4, q_offset=5, kv_offset=RelayOffset(3), attention_mask=mask2d)
     out = relay_mask(**kw)
     assert isinstance(out, RelayMask) and out.suffix_lengths.tolist() == [2, 4]
-    assert relay_mask(batch_size=2, q_length=1, kv_length=4, kv_offset=3).suffix_lengths is None
+    assert relay_mask(batch_size=2, q_length=1, kv_length=4, kv_offset=RelayOffset(3)).suffix_lengths is None
 
 
 def test_mask_without_a_relay_prefix_is_the_stock_mask():
@@ -24,14 +24,23 @@ def test_mask_without_a_relay_prefix_is_the_stock_mask():
     assert torch.equal(relay_mask(**kw), sdpa_mask(**kw))
     sliding = dict(kw, local_size=3)  # a sliding-window layer without a relay prefix
     assert torch.equal(relay_mask(**sliding), sdpa_mask(**sliding))
-    assert relay_mask(batch_size=2, q_length=1, kv_length=0, kv_offset=5) is None  # a static RelayCache
+    assert relay_mask(batch_size=2, q_length=1, kv_length=0, kv_offset=RelayOffset(5)) is None  # a static RelayCache
+
+
+def test_a_full_stock_sliding_window_layer_gets_the_stock_mask():
+    """transformers' sliding-window cache layers report ``kv_offset > 0`` once their window is full: that is no
+    relay prefix (only a ``RelayOffset`` is), so the mask is stock's, padding included."""
+    mask2d = torch.tensor([[0, 0, 0, 0, 0, 0, 1, 1], [1, 1, 1, 1, 1, 1, 1, 1]], dtype=torch.bool)  # pads in the window
+    kw = dict(batch_size=2, q_length=1, kv_length=3, q_offset=7, kv_offset=5, attention_mask=mask2d, local_size=4)
+    out = relay_mask(**kw)
+    assert torch.is_tensor(out) and torch.equal(out, sdpa_mask(**kw))
 
 
 def test_rows_padded_in_front_of_the_prefix_are_refused():
     """Without relay_hf's generate (which moves pads behind the prefix) such rows would be misaligned."""
     mask2d = torch.tensor([[0, 1, 1, 1, 1], [1, 1, 1, 1, 1]], dtype=torch.bool)
     with pytest.raises(ValueError, match="padded in front of the RelayCache's shared prefix"):
-        relay_mask(batch_size=2, q_length=2, kv_length=2, q_offset=3, kv_offset=3, attention_mask=mask2d)
+        relay_mask(batch_size=2, q_length=2, kv_length=2, q_offset=3, kv_offset=RelayOffset(3), attention_mask=mask2d)
 
 
 def test_stock_attention_follows_the_implementation_the_config_had():
@@ -74,7 +83,8 @@ def test_relay_path_output_layout():
 
 def test_a_sliding_layer_of_a_relay_cache_gets_the_relay_mask():
     mask2d = torch.tensor([[1, 1, 0, 1, 1], [1, 1, 1, 1, 1]], dtype=torch.bool)
-    out = relay_mask(batch_size=2, q_length=1, kv_length=3, kv_offset=2, attention_mask=mask2d, local_size=2)
+    out = relay_mask(batch_size=2, q_length=1, kv_length=3, kv_offset=RelayOffset(2), attention_mask=mask2d,
+                     local_size=2)
     assert isinstance(out, RelayMask) and out.suffix_lengths.tolist() == [2, 3]  # the window is applied in attention
 
 
@@ -95,6 +105,22 @@ def test_softcap_sinks_and_windows_reach_relay_attention(kwargs):
     assert torch.equal(out, ref.transpose(1, 2).contiguous())
     plain, _ = relay_attention_forward(_Module(), q, k, v, RelayMask(lengths))
     assert torch.equal(out, plain) == (window == 100)
+
+
+@pytest.mark.parametrize("static", [False, True])
+def test_a_static_cache_always_gets_the_window(monkeypatch, static):
+    """A captured decode step replays for later calls whose prefixes may be longer than this one's: on a static
+    cache (its keys carry ``end``) the window goes to the kernels even when this call's keys all fit inside it; a
+    dynamic cache gets it only where it can exclude a key."""
+    seen = []
+    real = attention.relay_attention
+    monkeypatch.setattr(attention, "relay_attention", lambda *a, **kw: seen.append(kw["window"]) or real(*a, **kw))
+    q, k, v = _inputs()  # 7 positions (prefix + suffix): within a window of 100
+    if static:
+        end = torch.tensor(k.suffix.shape[-2])
+        k, v = k._replace(end=end), v._replace(end=end)
+    relay_attention_forward(_Module(), q, k, v, RelayMask(torch.tensor([3, 1])), sliding_window=100)
+    assert seen == [100 if static else None]
 
 
 @pytest.mark.parametrize("kwargs,match", [

@@ -221,3 +221,9 @@ def test_a_static_cache_of_several_prefixes_holds_room_and_is_refilled_for_what_
     static.refill(other, pads, paths)
     assert lay.suffix_length == 0 and lay.groups.paths == tuple(paths) and lay.groups.segments_per_level == 4
     torch.testing.assert_close(lay.prefix_keys[:, :, :62], other.layers[0].prefix_keys)
+
+
+@pytest.mark.parametrize("ids", [[], torch.tensor([], dtype=torch.long), [[]]])
+def test_an_empty_prefix_is_refused_as_empty(ids):
+    with pytest.raises(ValueError, match="prefix_ids is empty"):
+        RelayCache.from_prefix(tiny_model("llama"), ids)

@@ -8,6 +8,7 @@ import torch
 import transformers
 
 import relay_hf
+from relay_hf._compat import cache_kwarg_name
 from tests.helpers import VOCAB, grouped_batch, run_stock, shared_prefix_batch
 
 WINDOW = 8
@@ -190,3 +191,53 @@ def test_a_static_slot_replayed_for_longer_prompts_keeps_the_window_on_gpu():
     for (ids, mask), expected in zip((first, second), stock):
         out = model.generate(ids.cuda(), attention_mask=mask.cuda(), **gen)
         assert model.relay_last_decision.fast_decode and torch.equal(out, expected)
+
+
+# -- calls that run stock on a patched model, past the window -------------------------------------------------------
+def _rows_past_the_window(B: int, shared: int = 0, seed: int = 7):
+    """``B`` unpadded rows of ``2.5 * WINDOW`` tokens (the first ``shared`` common to all), so every layer's window
+    fills during prefill and keeps sliding while decoding."""
+    g = torch.Generator().manual_seed(seed)
+    T = int(2.5 * WINDOW)
+    ids = torch.randint(3, VOCAB, (B, T), generator=g)
+    ids[:, :shared] = ids[0, :shared]
+    return ids, torch.ones_like(ids)
+
+
+def _dynamic(model):
+    return {cache_kwarg_name(model): transformers.DynamicCache(config=model.config)}
+
+
+# each road runs stock generate on the patched model; the windows of stock's caches report offsets past the window
+STOCK_ROADS = {
+    "one row": (1, {}),
+    "rows that share nothing": (2, {}),
+    "no_repeat_ngram_size": (2, dict(no_repeat_ngram_size=2)),
+    "repetition_penalty off the loop": (2, dict(repetition_penalty=1.3)),
+    "training mode": (2, "train"),
+    "a user DynamicCache": (2, _dynamic),
+    "cache_implementation dynamic": (2, dict(cache_implementation="dynamic")),
+    "cache_implementation sliding_window": (2, dict(cache_implementation="sliding_window")),
+}
+
+
+@pytest.mark.parametrize("road", STOCK_ROADS)
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_calls_that_run_stock_past_the_window_give_stock_tokens(family, road):
+    rows, extra = STOCK_ROADS[road]
+    model = _model(family)
+    ids, mask = _rows_past_the_window(rows, shared=WINDOW if road == "repetition_penalty off the loop" else 0)
+    gen = dict(max_new_tokens=4, do_sample=False)  # the prompt alone is past the window
+
+    def call():
+        torch.manual_seed(0)
+        kwargs = extra(model) if callable(extra) else {} if extra == "train" else extra
+        return model.generate(ids, attention_mask=mask, **gen, **kwargs)
+
+    if extra == "train":
+        model.train()
+    stock = call()
+    relay_hf.patch(model, min_prefix_length=WINDOW)
+    out = call()
+    assert not model.relay_last_decision.used, model.relay_last_decision
+    assert torch.equal(out, stock)

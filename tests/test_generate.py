@@ -13,7 +13,7 @@ from transformers import GenerationConfig
 
 import relay_hf
 from relay_hf import RelayCache
-from relay_hf._compat import output_cache
+from relay_hf._compat import cache_kwarg_name, output_cache
 from tests.helpers import (
     VOCAB,
     grouped_batch,
@@ -774,3 +774,32 @@ def test_an_unpatched_model_reads_a_fork_of_several_prefixes_exactly():
                       past_key_values=fork).logits[:, -1]
         stock = model(ids, attention_mask=mask).logits[:, -1]
     torch.testing.assert_close(relay, stock, atol=1e-5, rtol=1e-4)
+
+
+def _continue(model, ids, mask, **first_gen):
+    """Generate, then continue the returned sequences plus 3 new tokens per row from the returned cache (as one
+    continues with stock's ``DynamicCache``)."""
+    first = model.generate(ids, attention_mask=mask, max_new_tokens=4, do_sample=False, return_dict_in_generate=True,
+                           **first_gen)
+    more = torch.randint(3, 256, (ids.shape[0], 3), generator=torch.Generator().manual_seed(5))
+    ids2 = torch.cat([first.sequences, more], 1)
+    mask2 = torch.cat([mask, torch.ones(ids.shape[0], 7, dtype=mask.dtype)], 1)
+    out = model.generate(ids2, attention_mask=mask2, max_new_tokens=4, do_sample=False,
+                         **{cache_kwarg_name(model): output_cache(first)})
+    return out, output_cache(first)
+
+
+@pytest.mark.parametrize("batch", ["one prompt", "several prompts and a row with none"])
+@pytest.mark.parametrize("first_gen", [{}, dict(cache_implementation="static")], ids=["dynamic", "static"])
+def test_a_call_continues_from_the_cache_the_last_call_returned(batch, first_gen):
+    model = tiny_model("llama")
+    ids, mask, *_ = shared_prefix_batch() if batch == "one prompt" else grouped_batch()
+    relay_hf.unpatch(model)
+    stock, _ = _continue(model, ids, mask)
+    relay_hf.patch(model, min_prefix_length=8)
+    out, returned = _continue(model, ids, mask, **first_gen)
+    assert model.relay_last_decision.used, model.relay_last_decision
+    assert torch.equal(out, stock)
+    # a static cache handed to the caller is the caller's: no later call refills it under their continuation
+    slot = model._relay_state.idle_static()
+    assert slot is None or slot.cache is not returned

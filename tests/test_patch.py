@@ -48,3 +48,12 @@ def test_alibi_and_foreign_attention_fall_back(cls, kwargs, reason):
     ids, mask, _ = shared_prefix_batch()
     model.generate(ids, attention_mask=mask, max_new_tokens=2, do_sample=False)
     assert not model.relay_last_decision.used and reason in model.relay_last_decision.reason
+
+
+@pytest.mark.parametrize("call", [relay_hf.patch, relay_hf.unpatch])
+@pytest.mark.parametrize("thing", ["not a model", None, torch.nn.Linear(2, 2)])
+def test_what_is_not_a_model_is_refused_by_name(call, thing):
+    with pytest.raises(TypeError, match=f"relay_hf.{call.__name__} takes a transformers model.*got "
+                                        f"{type(thing).__name__}"):
+        call(thing)
+    assert not relay_hf.is_patched(thing)

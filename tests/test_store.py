@@ -1,0 +1,133 @@
+"""relay_hf.store: the prefix store on its own (no model), and what a kept prefix's KV depends on (tiny models)."""
+
+import threading
+import time
+
+import pytest
+import torch
+
+from relay_hf.store import PrefixStore, kv_dependencies
+from tests.helpers import tiny_model
+
+
+def _store(budget=100):
+    return PrefixStore(budget, nbytes=len)  # values are byte strings: their length is what they hold
+
+
+def test_a_miss_builds_a_hit_does_not():
+    store, built = _store(), []
+    assert store.get("a", 0, lambda: built.append("a") or b"x" * 10) == b"x" * 10
+    assert store.get("a", 0, lambda: built.append("again") or b"y") == b"x" * 10
+    assert built == ["a"] and (store.hits, store.misses) == (1, 1)
+
+
+def test_least_recently_used_go_first_down_to_the_budget():
+    store = _store(100)
+    for key in "abc":
+        store.get(key, 0, lambda: b"x" * 40)
+    store.trim()
+    assert store.keys() == ["b", "c"] and store.nbytes() == 80
+    store.get("b", 0, lambda: b"")  # b is now the most recent
+    store.get("d", 0, lambda: b"x" * 40)
+    store.trim()
+    assert store.keys() == ["b", "d"]
+
+
+def test_entries_within_the_budget_stay_whatever_a_call_uses():
+    store = _store(100)
+    store.get("a", 0, lambda: b"x" * 30)
+    store.get("b", 0, lambda: b"x" * 30)
+    store.trim(keep=["b"])
+    assert store.keys() == ["a", "b"]  # a is not used by this call, but fits: kept
+
+
+def test_kept_and_held_entries_outlive_the_budget_until_let_go():
+    store = _store(50)
+    store.get("a", 0, lambda: b"x" * 40)
+    with store.holding(["a"]):
+        store.get("b", 0, lambda: b"x" * 40)
+        store.trim(keep=["b"])
+        assert store.keys() == ["a", "b"]  # over budget while both are in use
+    assert store.keys() == ["b"]  # a let go: the least recent out, b fits
+
+
+def test_entries_built_under_other_dependencies_are_dropped():
+    store, built = _store(), []
+    store.get("a", "weights v1", lambda: b"old")
+    assert store.get("a", "weights v2", lambda: built.append(1) or b"new") == b"new"
+    assert built == [1] and store.values() == [b"new"]
+
+
+def test_a_zero_budget_keeps_nothing_between_calls_and_bad_budgets_are_refused():
+    store = _store(0)
+    store.get("a", 0, lambda: b"x")
+    store.trim()
+    assert len(store) == 0
+    for bad in (-1, 1.5, True, "1"):
+        with pytest.raises(ValueError, match="budget"):
+            PrefixStore(bad, len)
+
+
+def test_threads_asking_for_one_key_build_it_once():
+    store, built = _store(), []
+
+    def build():
+        built.append(1)
+        time.sleep(0.05)
+        return b"x"
+
+    threads = [threading.Thread(target=store.get, args=("a", 0, build)) for _ in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert built == [1]
+
+
+# -- what a kept prefix depends on -----------------------------------------------------------------------------------
+def _edit_in_place(m):
+    with torch.no_grad():
+        m.model.layers[0].self_attn.k_proj.weight.mul_(1.5)
+
+
+def _load_other_weights(m):
+    m.load_state_dict(tiny_model("llama", seed=1).state_dict())
+
+
+def _write_through_data(m):  # bypasses the tensor's version counter
+    m.model.layers[1].self_attn.v_proj.weight.data.copy_(torch.randn_like(m.model.layers[1].self_attn.v_proj.weight))
+
+
+def _optimizer_step(m):
+    opt = torch.optim.SGD(m.parameters(), lr=0.1)
+    m(torch.tensor([[3, 4, 5]]), labels=torch.tensor([[3, 4, 5]])).loss.backward()
+    opt.step()
+
+
+CHANGES = {
+    "in-place edit": _edit_in_place,
+    "load_state_dict": _load_other_weights,
+    "write through .data": _write_through_data,
+    "optimizer step": _optimizer_step,
+    "to float64": lambda m: m.to(torch.float64),
+    "training mode": lambda m: m.train(),
+    "attention implementation": lambda m: m.set_attn_implementation("eager"),
+}
+
+
+@pytest.mark.parametrize("change", CHANGES)
+def test_every_change_that_alters_the_kv_changes_the_dependencies(change):
+    model = tiny_model("llama")
+    before = kv_dependencies(model)
+    assert kv_dependencies(model) == before  # nothing changed: equal (a kept prefix is served)
+    CHANGES[change](model)
+    assert kv_dependencies(model) != before
+
+
+def test_reading_the_model_changes_nothing():
+    model = tiny_model("llama")
+    before = kv_dependencies(model)
+    with torch.no_grad():
+        model(torch.tensor([[3, 4, 5]]))
+    model.generate(torch.tensor([[3, 4, 5]]), max_new_tokens=2, do_sample=False)
+    assert kv_dependencies(model) == before

@@ -377,3 +377,104 @@ def test_bad_system_prompts_are_refused_by_name_and_the_pipeline_stays_usable(re
     with pytest.raises(ValueError, match=match):
         call(relay_pipe, prompts)
     assert relay_pipe(QS[:1], batch_size=1, **GEN) == stock_answers[1][:1]
+
+
+def test_kept_prompts_the_batch_does_not_use_stay_within_the_budget(relay_pipe, prompts, monkeypatch):
+    built = []
+    original = pipeline_module.RelayCache.from_prefix
+    monkeypatch.setattr(pipeline_module.RelayCache, "from_prefix",
+                        staticmethod(lambda model, ids: built.append(len(ids)) or original(model, ids)))
+    for system_prompt in (prompts[0], prompts[1], prompts[0]):  # the second batch does not use the first's prompt
+        relay_pipe(QS[:2], system_prompt=system_prompt, batch_size=2, max_new_tokens=1, do_sample=False)
+    assert relay_pipe.kept_system_prompts() == 2 and len(built) == 2
+
+
+# -- kept prompts never outlive what their KV depends on (a tiny random model: its weights may be changed) -----------
+VOCAB_OF_SMOLLM2 = 49152
+
+
+def _tiny_chat_model(seed=0, arch="llama", **overrides):
+    """A tiny random model over SmolLM2's vocabulary (so its tokenizer and chat template serve it), attention dropout
+    on (it acts in training mode only)."""
+    config = dict(LlamaConfig=dict(attention_dropout=0.5), MistralConfig=dict(sliding_window=8))
+    name = {"llama": "LlamaConfig", "mistral": "MistralConfig"}[arch]
+    cfg = getattr(transformers, name)(vocab_size=VOCAB_OF_SMOLLM2, hidden_size=64, intermediate_size=64,
+                                      num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                                      max_position_embeddings=1024, pad_token_id=2, bos_token_id=1, eos_token_id=2,
+                                      **{**config[name], **overrides})
+    torch.manual_seed(seed)
+    return transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa").eval()
+
+
+def _stock(model, tokenizer, system, questions, **gen):
+    relay_hf.unpatch(model)  # a model a pipeline patched (it patches it back when it runs again)
+    return transformers.pipeline("text-generation", model=model, tokenizer=tokenizer)(
+        chats(system, questions), batch_size=len(questions), **{**GEN, **gen})
+
+
+def _edit_in_place(model):
+    with torch.no_grad():
+        for p in model.model.layers[0].self_attn.parameters():
+            p.mul_(-1.0)
+
+
+CHANGES = {
+    "load_state_dict": lambda model: model.load_state_dict(_tiny_chat_model(seed=1).state_dict()),
+    "an in-place weight update": _edit_in_place,
+    "model.to(float64)": lambda model: model.to(torch.float64),
+}
+
+
+@pytest.mark.parametrize("change", CHANGES)
+def test_a_kept_prompt_is_prefilled_again_after_the_model_changed(smollm2, system, change):
+    _, tokenizer = smollm2
+    model = _tiny_chat_model()
+    with relay_hf.pipeline("text-generation", model=model, tokenizer=tokenizer, system_prompt=system) as pipe:
+        pipe(QS[:2], batch_size=2, **GEN)
+        CHANGES[change](model)
+        got = pipe(QS[:2], batch_size=2, **GEN)
+        assert model.relay_last_decision.used
+        changed = _stock(model, tokenizer, system, QS[:2])
+    assert got == changed
+
+
+def test_a_call_in_training_mode_keeps_no_prefix(smollm2, system):
+    _, tokenizer = smollm2
+    model = _tiny_chat_model()
+    with relay_hf.pipeline("text-generation", model=model, tokenizer=tokenizer, system_prompt=system) as pipe:
+        model.train()
+        pipe(QS[:2], batch_size=2, **GEN)
+        assert pipe.kept_system_prompts() == 0 and not model.relay_last_decision.used
+        model.eval()
+        got = pipe(QS[:2], batch_size=2, **GEN)
+        assert model.relay_last_decision.used
+        expected = _stock(model, tokenizer, system, QS[:2])
+    assert got == expected
+
+
+def test_one_call_time_system_prompt_serves_a_dataset(smollm2, system):
+    _, tokenizer = smollm2
+    model = _tiny_chat_model()
+    expected = _stock(model, tokenizer, system, QS[:3])
+    with relay_hf.pipeline("text-generation", model=model, tokenizer=tokenizer) as pipe:
+        got = list(pipe(_dataset("question", QS[:3]), system_prompt=system, batch_size=3, **GEN))
+        assert model.relay_last_decision.used
+        assert list(pipe((q for q in QS[:3]), system_prompt=system, batch_size=3, **GEN)) == expected
+    assert got == expected
+    with pytest.raises(ValueError, match="not a int"):
+        pipe(7, system_prompt=system)
+
+
+@pytest.mark.parametrize("gen", [dict(batch_size=1), dict(no_repeat_ngram_size=2), dict(repetition_penalty=1.3)],
+                         ids=["one row", "no_repeat_ngram_size", "repetition_penalty"])
+def test_a_sliding_window_model_past_its_window_answers_as_stock(smollm2, system, gen):
+    """The system prompt is far longer than the window (8): calls that run stock must not trip on the window."""
+    _, tokenizer = smollm2
+    model = _tiny_chat_model(arch="mistral")
+    batch = gen.pop("batch_size", 2)
+    with relay_hf.pipeline("text-generation", model=model, tokenizer=tokenizer, system_prompt=system) as pipe:
+        got = pipe(QS[:2], batch_size=batch, **GEN, **gen)
+    relay_hf.unpatch(model)
+    expected = transformers.pipeline("text-generation", model=model, tokenizer=tokenizer)(
+        chats(system, QS[:2]), batch_size=batch, **GEN, **gen)
+    assert got == expected

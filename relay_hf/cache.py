@@ -23,31 +23,17 @@ from __future__ import annotations
 from typing import NamedTuple
 
 import torch
-from transformers.cache_utils import Cache, CacheLayerMixin, DynamicCache
+from transformers.cache_utils import Cache, CacheLayerMixin
 from transformers.utils import is_torchdynamo_compiling
 
-from ._compat import attn_implementation, cache_kwarg_name
+from ._compat import attn_implementation
 from .kernels.groups import PrefixGroups, window_kept
+from .names import is_relay_name
+from .prefill import prefill_tree
 from .prefix import PrefixTree
 
-ATTN_NAME = "relay"
 PREFIX_ROUNDING = 256  # a static cache of several prefixes holds their packed positions rounded up to this
-# a sliding-window layer stores only what its window sees where that keeps at most this share of the prefix tokens
-# (below, its memory saving does not pay for reading the prefix through work tables)
-TRIM_AT_MOST = 0.75
 MIN_SEGMENT_CAPACITY = 4  # ... and plans its kernels for at least this many segments per level (a power of two)
-# The name a patched model runs under says which implementation it runs without a relay prefix, so a copied or
-# unpickled model keeps it. (No "flash" in these names: transformers treats such names as flash attention.)
-RELAY_NAMES = {"sdpa": ATTN_NAME, "eager": "relay_eager", "flash_attention_2": "relay_fa2",
-               "flash_attention_3": "relay_fa3", "flash_attention_4": "relay_fa4", "flex_attention": "relay_flex"}
-STOCK_OF = {relay: stock for stock, relay in RELAY_NAMES.items()}
-
-
-def is_relay_name(name: str | None) -> bool:
-    """Whether ``name`` is one of the attention implementations relay_hf registers."""
-    return name in STOCK_OF
-
-
 class RelayOffset(int):
     """The ``kv_offset`` a ``RelayCache`` layer reports to transformers' mask creation: the prefix columns in front of
     the keys the mask covers. A type of its own because transformers' sliding-window layers also report
@@ -146,6 +132,13 @@ class RelayLayer(CacheLayerMixin):
             base = self.groups if self.groups is not None else PrefixGroups(self.full_lengths, [(0,)] * rows)
             self._view = (self.groups, rows, base.windowed(self.window))
         return self._view[2]
+
+    def set_groups(self, groups: PrefixGroups | None, rows: int | None = None,
+                   view: PrefixGroups | None = None) -> None:
+        """Read the prefix through ``groups`` from now on; a trimmed sliding-window layer may be handed the windowed
+        ``view`` for ``rows`` rows that another layer of the same window built (else it builds its own, once)."""
+        self.groups = groups
+        self._view = None if view is None else (groups, rows, view)
 
     @property
     def suffix_length(self) -> int:
@@ -441,38 +434,8 @@ class RelayCache(Cache):
     @torch.no_grad()
     def from_tree(cls, model, tree: PrefixTree) -> RelayCache:
         """Prefill the segments of ``tree`` (roots at position 0, each child after its parent's KV) at batch 1 and
-        pack them."""
-        text_config = model.config.get_text_config(decoder=True)
-        max_pos = getattr(text_config, "max_position_embeddings", None)
-        longest = max(tree.full_ids(j).numel() for j in range(len(tree.ids)))
-        if max_pos is not None and longest > max_pos:
-            raise ValueError(f"prefix of {longest} tokens is longer than the model's max_position_embeddings "
-                             f"({max_pos})")
-        name = cache_kwarg_name(model)
-        done: dict[int, DynamicCache] = {}
-        for j in sorted(range(len(tree.ids)), key=lambda j: len(tree.path(j))):  # parents first
-            scratch = DynamicCache()  # no config: plain full layers, nothing windowed away
-            parent = tree.parents[j]
-            if parent >= 0:  # continue after the parent's keys (copied in: the parent's own tensors stay as they are)
-                for i, (k, v) in enumerate(_kv(done[parent])):
-                    scratch.update(k, v, i)
-            model.base_model(input_ids=tree.ids[j][None].to(model.device), use_cache=True, **{name: scratch})
-            done[j] = scratch
-        # a sliding-window layer keeps of each segment only what a query after it can see (its last window - 1
-        # tokens), where that saves enough; every other layer keeps it all
-        windows = [trim_window(w, tree.lengths) for w in layer_windows(model)]
-        ends = [start + n for start, n in zip(tree.starts(), tree.lengths)]
-        states = [_kv(done[j]) for j in range(len(tree.ids))]  # per segment, per layer (keys, values)
-        kv = []
-        for i, window in enumerate(windows):
-            parts = []
-            for j, keep in enumerate(window_kept(tree.lengths, window)):
-                k, v = states[j][i]
-                parts.append((k[:, :, ends[j] - keep:ends[j]], v[:, :, ends[j] - keep:ends[j]]))
-            if len(parts) == 1 and window is None:
-                kv.append(parts[0])
-            else:  # packed (and a trimmed layer's own storage, so the dropped tokens are freed)
-                kv.append((torch.cat([p[0] for p in parts], 2), torch.cat([p[1] for p in parts], 2)))
+        pack them (``prefill.prefill_tree``)."""
+        kv, windows = prefill_tree(model, tree)
         return cls(model.config, kv, tree=tree, windows=windows)
 
     @classmethod
@@ -590,12 +553,11 @@ class RelayCache(Cache):
             rows = padding.shape[0]
         shared: dict[int, PrefixGroups | None] = {}
         for lay in self.layers:
-            lay.groups = groups
-            lay._view = None
+            lay.set_groups(groups)
             if lay.window is not None and rows is not None:
-                if lay.window not in shared:
+                if lay.window not in shared:  # one windowed view per window, shared by its layers
                     shared[lay.window] = lay.view(rows)
-                lay._view = (groups, rows, shared[lay.window])
+                lay.set_groups(groups, rows, shared[lay.window])
         if self.is_static and self.prefix_device.type == "cuda":
             views = {0: groups, **shared}  # 0: the layers that read the call's groups as they are
             for key, view in views.items():
@@ -749,37 +711,6 @@ def _prefix_ids(ids, name: str) -> torch.Tensor:
     if ids.dim() != 1 or ids.numel() == 0:
         raise ValueError(f"{name} must be a non-empty [P] or [1, P] sequence, got shape {tuple(ids.shape)}")
     return ids
-
-
-def _kv(cache: DynamicCache) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    return [(layer.keys, layer.values) for layer in cache.layers]
-
-
-def trim_window(window: int | None, lengths) -> int | None:
-    """``window`` when a layer with this sliding window should store only each segment's last ``window - 1`` tokens
-    (that keeps at most ``TRIM_AT_MOST`` of them), else ``None`` (it stores the segments whole)."""
-    if window is None or not lengths:
-        return None
-    return window if sum(window_kept(lengths, window)) <= TRIM_AT_MOST * sum(lengths) else None
-
-
-def layer_windows(model) -> list[int | None]:
-    """Per layer, the sliding window its attention module states as its own (``module.sliding_window``, set per
-    layer by Gemma 2/3, gpt-oss, Qwen2/3, ...), or ``None``: a model that passes its window from the config at call
-    time keeps every layer whole (exact either way: the kernels apply the window; trimming only saves memory)."""
-    n_layers = model.config.get_text_config(decoder=True).num_hidden_layers
-    found: dict[int, set] = {}
-    for module in model.modules():
-        index = getattr(module, "layer_idx", None)
-        if isinstance(index, int) and "sliding_window" in vars(module):
-            found.setdefault(index, set()).add(vars(module)["sliding_window"])
-    out = []
-    for i in range(n_layers):
-        values = found.get(i, set())
-        window = next(iter(values)) if len(values) == 1 else None
-        ok = isinstance(window, int) and not isinstance(window, bool) and window >= 1
-        out.append(window if ok else None)
-    return out
 
 
 def _segment_capacity(groups: PrefixGroups) -> int:

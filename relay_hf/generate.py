@@ -95,10 +95,18 @@ def _warn_fallback(plan: Plan) -> None:
     logger.warning("relay_hf: this call runs stock generate: %s", plan.reason)
 
 
+def _stop_strings(call: dict, plan: Plan) -> StopStringCriteria | None:
+    """Stock's criterion for the call's stop strings, or ``None``. It reads the prompt's tail, so relay builds it
+    itself and shows it stock-layout ids (both loops)."""
+    if plan.gen.stop_strings is None:
+        return None
+    return StopStringCriteria(tokenizer=call["tokenizer"], stop_strings=plan.gen.stop_strings)
+
+
 def _wrap_user_hooks(call: dict, layout: RowLayout, plan: Plan) -> None:
     """Let user processors, criteria and streamers (and stop strings) see stock-layout ids."""
-    if plan.gen.stop_strings is not None:  # its criterion reads the prompt's tail: built here, on the stock view
-        stop = StopStringCriteria(tokenizer=call["tokenizer"], stop_strings=plan.gen.stop_strings)
+    stop = _stop_strings(call, plan)
+    if stop is not None:
         call["stopping_criteria"] = [*(call.get("stopping_criteria") or []), stop]
         call["stop_strings"] = None
     if call.get("logits_processor"):
@@ -171,9 +179,7 @@ def _run_relay(model, stock, call: dict, plan: Plan):
     try:
         if plan.fast_decode:
             streamer = call.get("streamer")
-            stop = None
-            if plan.gen.stop_strings is not None:  # stock's criterion; the loop shows it stock-layout ids
-                stop = StopStringCriteria(tokenizer=call["tokenizer"], stop_strings=plan.gen.stop_strings)
+            stop = _stop_strings(call, plan)
             with torch.no_grad():
                 out = fast_generate(model, layout.ids, layout.mask, plan.ids, slot, plan.sampler,
                                     None if streamer is None else _StreamerView(streamer, layout),

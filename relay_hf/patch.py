@@ -8,14 +8,15 @@ relay is decided in one place, ``policy.py``.
 
 from __future__ import annotations
 
+import threading
 import warnings
 
 import torch
 
 from . import attention
 from ._compat import attn_implementation, can_set_attn_implementation
-from .cache import is_relay_name
 from .generate import RelayFallbackWarning, RelayGenerate
+from .names import is_relay_name
 from .policy import DECODE_MODES
 from .probe import probe_reason
 from .state import RelayState
@@ -146,3 +147,35 @@ def unpatch(model):
 def is_patched(model) -> bool:
     """Whether ``model`` is patched by ``relay_hf.patch`` (``False`` for anything that is not a model)."""
     return "_relay_state" in getattr(model, "__dict__", {})
+
+
+# relay states patched by holders (pipelines) -> [state, holders alive on it]; the state is kept so its id stays unique.
+# Re-entrant: a holder's finalizer (``release``) can run from garbage collection inside ``hold_patch`` itself
+# (patching allocates), on the same thread, and must not wait for the lock that thread holds.
+_HELD: dict[int, list] = {}
+_HELD_LOCK = threading.RLock()
+
+
+def hold_patch(model):
+    """Patch ``model`` for a holder (a pipeline) unless its owner patched it. Returns the callable that lets go of it
+    (the last holder to let go unpatches), or ``None`` when the patch is not the holders' to undo."""
+    with _HELD_LOCK:
+        if not is_patched(model):
+            patch(model)
+            _HELD[id(model._relay_state)] = [model._relay_state, 0]
+        held = _HELD.get(id(model._relay_state))
+        if held is None:
+            return None
+        held[1] += 1
+        state = held[0]
+
+    def release():
+        with _HELD_LOCK:
+            held[1] -= 1
+            if held[1] > 0:
+                return
+            del _HELD[id(state)]
+            if model.__dict__.get("_relay_state") is state:  # unpatched (or re-patched) by its owner meanwhile: theirs
+                unpatch(model)
+
+    return release

@@ -41,7 +41,7 @@ from transformers.pipelines import PIPELINE_REGISTRY
 
 from ._compat import cache_kwarg_name, chat_messages, pipeline_chat
 from .cache import RelayCache
-from .patch import is_patched, patch, unpatch
+from .patch import hold_patch
 from .policy import CACHE_NAMES, keep_reason
 from .prefix import common_prefix_length, left_padding
 from .store import PrefixStore, kv_dependencies
@@ -90,10 +90,8 @@ class RelayTextGenerationPipeline(TextGenerationPipeline):
         self._system_prompt = system_prompt
         # rendered prefix ids -> prefilled RelayCache (one prefill per prompt however many threads call)
         self._store = PrefixStore(prefix_cache_bytes, _nbytes)
-        # the last batch's prompts (their caches) packed together, reused by the next batch of the same prompts
-        self._combined: tuple[tuple[RelayCache, ...], RelayCache] | None = None
         self._lock = threading.RLock()
-        release = _hold_patch(self.model)
+        release = hold_patch(self.model)
         self._finalizer = weakref.finalize(self, release) if release is not None else None
         if self._finalizer is not None:
             self._finalizer.atexit = False  # at interpreter exit nothing needs restoring
@@ -123,7 +121,6 @@ class RelayTextGenerationPipeline(TextGenerationPipeline):
         once the patch is undone, calls run stock ``generate``."""
         with self._lock:
             self._store.clear()
-            self._combined = None
         if self._finalizer is not None:
             self._finalizer()
 
@@ -233,21 +230,7 @@ class RelayTextGenerationPipeline(TextGenerationPipeline):
                 out.append(self._store.get(key, depends, lambda ids=ids: RelayCache.from_prefix(self.model, ids)))
                 used.append(key)
             self._store.trim(keep=used)
-            kept = {id(c) for c in self._store.values()}
-            if self._combined is not None and not all(id(c) in kept for c in self._combined[0]):
-                self._combined = None  # it holds a dropped (or stale) prompt's KV: let that go too
             return out, used
-
-    def _combine(self, caches: list[RelayCache]) -> RelayCache:
-        """One cache holding these prompts' prefixes: the last batch's packing again when its prompts were the
-        same ones (a job whose batches mix the same few prompts packs them once)."""
-        if len(caches) == 1:
-            return caches[0]
-        with self._lock:
-            last = self._combined
-            if last is None or len(last[0]) != len(caches) or any(a is not b for a, b in zip(last[0], caches)):
-                self._combined = (tuple(caches), RelayCache.combine(caches))
-            return self._combined[1]
 
     def kept_system_prompts(self) -> int:
         """How many prefilled system prompts the pipeline keeps now."""
@@ -264,7 +247,8 @@ class RelayTextGenerationPipeline(TextGenerationPipeline):
             distinct = list(dict.fromkeys(system_prompts))
             caches, used = self._caches_for(distinct)
             if all(c is not None for c in caches):
-                cache = self._combine(caches)
+                # one cache holding them all (a job whose batches mix the same few prompts packs them once)
+                cache = caches[0] if len(caches) == 1 else self._store.packed(used, RelayCache.combine)
                 n_pad = left_padding(mask if mask is not None else torch.ones_like(ids))
                 if n_pad is not None and _matches(cache, ids, n_pad):
                     generate_kwargs[cache_kwarg_name(self.model)] = cache
@@ -330,38 +314,6 @@ def _left_padding_tokenizer(tokenizer):
     if tokenizer.pad_token is None:  # what transformers suggests for batching without one
         tokenizer.pad_token = tokenizer.eos_token
     return tokenizer
-
-
-# relay states patched by pipelines -> [state, pipelines alive on it]; the state is kept so its id stays unique.
-# Re-entrant: a pipeline's finalizer (``release``) can run from garbage collection inside ``_hold_patch`` itself
-# (patching allocates), on the same thread, and must not wait for the lock that thread holds.
-_HELD: dict[int, list] = {}
-_HELD_LOCK = threading.RLock()
-
-
-def _hold_patch(model):
-    """Patch ``model`` for a pipeline unless its owner patched it. Returns the callable that lets go of it (the
-    last pipeline to let go unpatches), or ``None`` when the patch is not the pipelines' to undo."""
-    with _HELD_LOCK:
-        if not is_patched(model):
-            patch(model)
-            _HELD[id(model._relay_state)] = [model._relay_state, 0]
-        held = _HELD.get(id(model._relay_state))
-        if held is None:
-            return None
-        held[1] += 1
-        state = held[0]
-
-    def release():
-        with _HELD_LOCK:
-            held[1] -= 1
-            if held[1] > 0:
-                return
-            del _HELD[id(state)]
-            if model.__dict__.get("_relay_state") is state:  # unpatched (or re-patched) by its owner meanwhile: theirs
-                unpatch(model)
-
-    return release
 
 
 def pipeline(task: str | None = "text-generation", model=None, tokenizer=None, *, system_prompt: str | None = None,

@@ -25,8 +25,10 @@ import torch
 from transformers import CompileConfig, GenerationConfig
 
 from ._compat import attn_implementation, compile_all_devices, resolve_generation_config
-from .cache import RelayCache, is_relay_name, layer_windows, trim_window
+from .cache import RelayCache
 from .decode import DEFAULT_DECODE, Sampler, loop_sampler
+from .names import is_relay_name
+from .prefill import layer_windows, trim_window
 from .prefix import Grouping, PrefixTree, common_prefix_length, find_groups, left_padding
 
 # rows * prefix tokens below which the CUDA relay kernel is not measured to beat SDPA over the expanded prefix
@@ -139,7 +141,10 @@ class Plan:
                              self.loop_reason, groups)
 
 
-class _Stock(Exception):
+class RunStock(Exception):
+    """Raised by the questions ``decide`` asks: run stock ``generate`` because of ``reason``. ``expected``: a case
+    the user would expect to run stock (no warning)."""
+
     def __init__(self, reason: str, expected: bool = False):
         super().__init__(reason)
         self.expected = expected
@@ -176,8 +181,7 @@ def relay_pays(rows: int, prefix_length: int, device: torch.device, min_prefix_l
     ``prefix_length``: the shared prefix (with several, the shortest segment); ``shared_tokens``: rows x tokens read
     from shared prefixes (``rows * prefix_length`` when ``None``). A single row has nothing to share, except on
     relay_hf's captured loop (``captured_loop``, CUDA only), where the loop, not the kernel, decides: transformers'
-    static loop is host-bound while the captured step replays back to back (one row 5.3-5.6 ms vs stock static
-    7.5-10.8 ms a step; docs/performance.md)."""
+    static loop is host-bound while the captured step replays back to back (one-row rows in docs/performance.md)."""
     captured_loop = captured_loop and device.type == "cuda"
     shared = rows * prefix_length if shared_tokens is None else shared_tokens
     if rows < 2 and not captured_loop:
@@ -290,7 +294,7 @@ def check_cache(model, cache: RelayCache, ids: torch.Tensor, n_pad: torch.Tensor
 
 
 def batch_grouping(model, ids: torch.Tensor, n_pad: torch.Tensor, rows: int, captured: bool) -> Grouping:
-    """What this batch's rows share (``prefix.find_groups``), or raise ``_Stock`` with why relay does not pay. One
+    """What this batch's rows share (``prefix.find_groups``), or raise ``RunStock`` with why relay does not pay. One
     input row shares nothing; on the captured loop it still runs relay with its prompt but the last token as the
     prefix."""
     state = model._relay_state
@@ -303,13 +307,13 @@ def batch_grouping(model, ids: torch.Tensor, n_pad: torch.Tensor, rows: int, cap
         grouping = find_groups(ids, n_pad, state.min_prefix_length)
     if grouping is None:
         P = common_prefix_length(ids, n_pad) if rows > 1 or captured else 0
-        raise _Stock(relay_pays(rows, P, model.device, state.min_prefix_length, captured) or
+        raise RunStock(relay_pays(rows, P, model.device, state.min_prefix_length, captured) or
                      f"no rows share min_prefix_length={state.min_prefix_length} tokens", expected=True)
     per = rows // B
     why = relay_pays(rows, min(grouping.tree.lengths), model.device, state.min_prefix_length, captured,
                      grouping.shared_tokens() * per)
     if why:
-        raise _Stock(why, expected=True)
+        raise RunStock(why, expected=True)
     return grouping
 
 
@@ -322,79 +326,123 @@ def decide(model, call: dict) -> Plan:
     stock would accept but that cannot be right (a ``RelayCache`` that does not fit the model or the rows)."""
     try:
         return _decide(model, call)
-    except _Stock as why:
+    except RunStock as why:
         return Plan(False, str(why), expected=why.expected)
 
 
 def _decide(model, call: dict) -> Plan:
-    why = model_reason(model)
-    if why is not None:
-        raise _Stock(why, expected=True)
-    if model.training:  # dropout draws its random numbers in another order once the prefix is prefilled apart
-        raise _Stock(TRAINING)
-    cache = user_cache(call)
-    if cache is not None and not isinstance(cache, RelayCache):
-        raise _Stock(f"a {type(cache).__name__} was passed as the cache", expected=True)
-    ids = call.get("inputs", call.get("input_ids"))
-    if not isinstance(ids, torch.Tensor) or ids.dim() != 2 or ids.dtype.is_floating_point or ids.shape[1] == 0:
-        raise _Stock("relay needs 2D integer input_ids", expected=True)
-    if ids.device != model.device:
-        raise _Stock(f"input_ids on {ids.device}, the model on {model.device}", expected=True)
-    for key in _STOCK_KWARGS:
-        if call.get(key) is not None:
-            raise _Stock(f"`{key}` is not supported by the relay path")
-    for key in ("logits_processor", "stopping_criteria"):
-        builtin = [type(p).__name__ for p in call.get(key) or () if type(p).__module__.startswith("transformers.")]
-        if builtin:  # generate replaces its own processor of the same type by the user's, in place
-            raise _Stock(f"`{key}` holds transformers' own {builtin[0]}, which generate merges with its own by type")
+    eligible(model, call)
     gen = resolve(model, call)
-    for key, off in _STOCK_FIELDS.items():
-        if getattr(gen, key, None) not in off:
-            raise _Stock(f"`{key}` depends on the prompt's token order or positions; relay_hf runs it on stock "
-                         "generate")
-    if gen.stop_strings is not None and call.get("tokenizer") is None:
-        raise _Stock("`stop_strings` without a tokenizer", expected=True)  # stock raises its own error
-    if gen.use_cache is False:
-        raise _Stock("use_cache=False")
-    if gen.cache_implementation not in (None, "static"):
-        raise _Stock(f"cache_implementation={gen.cache_implementation!r} is not supported by the relay path")
-    beams = max(gen.num_beams or 1, gen.num_return_sequences or 1)
-    asked_static = gen.cache_implementation == "static" or gen.compile_config is not None
-    mask = call.get("attention_mask")
-    if mask is None:
-        if gen.pad_token_id is not None and bool((ids == gen.pad_token_id).any()):
-            raise _Stock("no attention_mask for a batch that contains pad tokens")
-        mask = torch.ones_like(ids)
-    if not isinstance(mask, torch.Tensor) or mask.shape != ids.shape:
-        raise _Stock("a custom attention_mask (not a [B, T] padding mask)")
-    n_pad = left_padding(mask)
-    if n_pad is None:
-        raise _Stock("rows are not left-padded")
+    served_config(gen, call)
+    ids, mask, n_pad = input_rows(call, gen)
     B, T = ids.shape
-    rows = B * beams
+    rows = B * max(gen.num_beams or 1, gen.num_return_sequences or 1)
     n_new = new_tokens(model, call, gen, T)
     if n_new < 1:
-        raise _Stock("no new tokens to generate", expected=True)
-    loop_why = loop_wanted(model, gen) or loop_reason(model, gen, call, n_new)
-    sampler = None
-    if loop_why is None:
-        sampler = loop_sampler(model, gen, ids, mask)
-        if isinstance(sampler, str):
-            loop_why, sampler = f"{sampler} runs on transformers' loop", None
+        raise RunStock("no new tokens to generate", expected=True)
+    loop_why, sampler = which_loop(model, gen, call, ids, mask, n_new)
     fast = loop_why is None
-    if gen.repetition_penalty not in (None, 1.0) and not fast:  # stock's processor reads where each row's pads are
-        raise _Stock(f"`repetition_penalty` off relay_hf's loop ({loop_why}) depends on the prompt's token order; "
-                     "relay_hf runs it on stock generate")
     captured = fast and model.device.type == "cuda"  # relay_hf's loop as CUDA graphs
-    if cache is not None:
-        grouping = check_cache(model, cache, ids, n_pad)
-    else:
-        grouping = batch_grouping(model, ids, n_pad, rows, captured)
+    cache = user_cache(call)
+    grouping = check_cache(model, cache, ids, n_pad) if cache is not None else batch_grouping(model, ids, n_pad, rows,
+                                                                                           captured)
     prefix_lengths = grouping.prefix_lengths()
     P = max(prefix_lengths)
     max_pos = getattr(model.config.get_text_config(decoder=True), "max_position_embeddings", None)
     if max_pos is not None and P > max_pos:
-        raise _Stock(f"shared prefix of {P} tokens is longer than max_position_embeddings ({max_pos})", expected=True)
+        raise RunStock(f"shared prefix of {P} tokens is longer than max_position_embeddings ({max_pos})",
+                       expected=True)
+    static, compiled = static_shape(model, gen, cache, grouping, fast)
+    capacity = 0
+    if static:  # rounded up so similar calls reuse one captured step
+        suffix = max(T - int(n) - p for n, p in zip(n_pad.tolist(), prefix_lengths))
+        capacity = -(-(suffix + n_new) // STATIC_ROUNDING) * STATIC_ROUNDING
+    return Plan(True, "relay", rows=rows, prefix_length=P, static=static, fast_decode=fast,
+                loop_reason="relay_hf decode loop" if fast else loop_why, new_tokens=n_new, static_capacity=capacity,
+                static_rows=DEFAULT_DECODE.bucket(rows) if fast else rows, ids=ids, mask=mask, n_pad=n_pad,
+                user_cache=cache, grouping=grouping, gen=gen, compile_config=compiled, sampler=sampler)
+
+
+def eligible(model, call: dict) -> None:
+    """Can relay serve this model and these arguments at all? Raises ``RunStock`` if not: the model (patched, not
+    declined, in eval mode), the cache (a ``RelayCache`` or none), the ids (2D integer, on the model's device), and no
+    argument that relay does not serve."""
+    why = model_reason(model)
+    if why is not None:
+        raise RunStock(why, expected=True)
+    if model.training:  # dropout draws its random numbers in another order once the prefix is prefilled apart
+        raise RunStock(TRAINING)
+    cache = user_cache(call)
+    if cache is not None and not isinstance(cache, RelayCache):
+        raise RunStock(f"a {type(cache).__name__} was passed as the cache", expected=True)
+    ids = call.get("inputs", call.get("input_ids"))
+    if not isinstance(ids, torch.Tensor) or ids.dim() != 2 or ids.dtype.is_floating_point or ids.shape[1] == 0:
+        raise RunStock("relay needs 2D integer input_ids", expected=True)
+    if ids.device != model.device:
+        raise RunStock(f"input_ids on {ids.device}, the model on {model.device}", expected=True)
+    for key in _STOCK_KWARGS:
+        if call.get(key) is not None:
+            raise RunStock(f"`{key}` is not supported by the relay path")
+    for key in ("logits_processor", "stopping_criteria"):
+        builtin = [type(p).__name__ for p in call.get(key) or () if type(p).__module__.startswith("transformers.")]
+        if builtin:  # generate replaces its own processor of the same type by the user's, in place
+            raise RunStock(f"`{key}` holds transformers' own {builtin[0]}, which generate merges with its own by "
+                           "type")
+
+
+def served_config(gen: GenerationConfig, call: dict) -> None:
+    """Does the resolved generation config ask only for what relay serves? Raises ``RunStock`` naming the first
+    field that reads the prompt's token order or positions, or a cache relay does not build."""
+    for key, off in _STOCK_FIELDS.items():
+        if getattr(gen, key, None) not in off:
+            raise RunStock(f"`{key}` depends on the prompt's token order or positions; relay_hf runs it on stock "
+                           "generate")
+    if gen.stop_strings is not None and call.get("tokenizer") is None:
+        raise RunStock("`stop_strings` without a tokenizer", expected=True)  # stock raises its own error
+    if gen.use_cache is False:
+        raise RunStock("use_cache=False")
+    if gen.cache_implementation not in (None, "static"):
+        raise RunStock(f"cache_implementation={gen.cache_implementation!r} is not supported by the relay path")
+
+
+def input_rows(call: dict, gen: GenerationConfig) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(ids [B, T], mask [B, T], n_pad [B])``: the rows and their left padding; raises ``RunStock`` for a mask
+    relay cannot lay out (custom, right padding, pads without a mask)."""
+    ids = call.get("inputs", call.get("input_ids"))
+    mask = call.get("attention_mask")
+    if mask is None:
+        if gen.pad_token_id is not None and bool((ids == gen.pad_token_id).any()):
+            raise RunStock("no attention_mask for a batch that contains pad tokens")
+        mask = torch.ones_like(ids)
+    if not isinstance(mask, torch.Tensor) or mask.shape != ids.shape:
+        raise RunStock("a custom attention_mask (not a [B, T] padding mask)")
+    n_pad = left_padding(mask)
+    if n_pad is None:
+        raise RunStock("rows are not left-padded")
+    return ids, mask, n_pad
+
+
+def which_loop(model, gen: GenerationConfig, call: dict, ids: torch.Tensor, mask: torch.Tensor,
+               n_new: int) -> tuple[str | None, Sampler | None]:
+    """Which loop decodes: ``(None, sampler)`` for relay_hf's loop, ``(why not, None)`` for transformers'. Raises
+    ``RunStock`` where only stock is right (a repetition penalty off relay_hf's loop reads where the pads are)."""
+    why = loop_wanted(model, gen) or loop_reason(model, gen, call, n_new)
+    sampler = None
+    if why is None:
+        sampler = loop_sampler(model, gen, ids, mask)
+        if isinstance(sampler, str):
+            why, sampler = f"{sampler} runs on transformers' loop", None
+    if gen.repetition_penalty not in (None, 1.0) and why is not None:
+        raise RunStock(f"`repetition_penalty` off relay_hf's loop ({why}) depends on the prompt's token order; "
+                       "relay_hf runs it on stock generate")
+    return why, sampler
+
+
+def static_shape(model, gen: GenerationConfig, cache: RelayCache | None, grouping: Grouping,
+                 fast: bool) -> tuple[bool, CompileConfig | None]:
+    """``(static, compile_config)``: whether the call runs on a static ``RelayCache``, and the inductor config its
+    decode step compiles with (``None``: eager, captured as CUDA graphs on CUDA)."""
+    asked_static = gen.cache_implementation == "static" or gen.compile_config is not None
     # attention reads through PrefixGroups tables: several prefixes, or sliding-window layers that store only what
     # their window sees (each row's positions then come from the tables)
     if cache is not None:
@@ -409,11 +457,4 @@ def _decide(model, call: dict) -> Plan:
     # inductor graph would have to guard on
     compiled = (compile_config(model, gen) if fast and not tables
                 and (asked_static or model._relay_state.decode == "compile") else None)
-    capacity = 0
-    if static:  # rounded up so similar calls reuse one captured step
-        suffix = max(T - int(n) - p for n, p in zip(n_pad.tolist(), prefix_lengths))
-        capacity = -(-(suffix + n_new) // STATIC_ROUNDING) * STATIC_ROUNDING
-    return Plan(True, "relay", rows=rows, prefix_length=P, static=static, fast_decode=fast,
-                loop_reason="relay_hf decode loop" if fast else loop_why, new_tokens=n_new, static_capacity=capacity,
-                static_rows=DEFAULT_DECODE.bucket(rows) if fast else rows, ids=ids, mask=mask, n_pad=n_pad,
-                user_cache=cache, grouping=grouping, gen=gen, compile_config=compiled, sampler=sampler)
+    return static, compiled

@@ -83,6 +83,7 @@ class PrefixStore:
         self._depends: object = None  # what every kept entry was built under
         self._held: dict[Hashable, int] = {}  # key -> running calls holding it (never evicted meanwhile)
         self._lock = threading.RLock()
+        self._packed: tuple[tuple, object] | None = None  # (the entries packed, by identity; their packing)
         self.hits = self.misses = 0
 
     def get(self, key: Hashable, depends: object, build: Callable[[], object]) -> object:
@@ -104,7 +105,19 @@ class PrefixStore:
     def _check(self, depends: object) -> None:
         if self._entries and self._depends != depends:
             self._entries.clear()
+            self._packed = None
         self._depends = depends
+
+    def packed(self, keys: list[Hashable], pack: Callable[[list], object]) -> object:
+        """``pack(values of keys)``, kept for the next call with the same entries (the same keys, none rebuilt or
+        dropped meanwhile): one packing (``RelayCache.combine``) serves every batch that mixes the same few prompts.
+        The packing is not counted in the budget; it goes as soon as one of its entries goes."""
+        with self._lock:
+            values = [self._entries[k][0] for k in keys]
+            ids = tuple(map(id, values))
+            if self._packed is None or self._packed[0] != ids:
+                self._packed = (ids, pack(values))
+            return self._packed[1]
 
     @contextmanager
     def holding(self, keys: Iterable[Hashable]):
@@ -134,10 +147,14 @@ class PrefixStore:
                     break
                 if key not in keep:
                     held -= self._entries.pop(key)[1]
+            kept = {id(v) for v, _ in self._entries.values()}
+            if self._packed is not None and not set(self._packed[0]) <= kept:
+                self._packed = None  # it holds a dropped entry's KV: let that go too
 
     def clear(self) -> None:
         with self._lock:
             self._entries.clear()
+            self._packed = None
 
     def nbytes(self) -> int:
         """Bytes the kept values hold now."""

@@ -5,7 +5,7 @@ import torch
 
 import relay_hf
 from relay_hf._compat import output_cache
-from relay_hf.cache import ATTN_NAME
+from relay_hf.names import ATTN_NAME
 from tests.helpers import shared_prefix_batch, tiny_model
 
 

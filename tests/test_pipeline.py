@@ -23,6 +23,7 @@ QS = QUESTIONS[:4]
 GEN = dict(max_new_tokens=8, do_sample=False)
 pytestmark = pytest.mark.slow
 pipeline_module = importlib.import_module("relay_hf.pipeline")  # `relay_hf.pipeline` is the function
+patch_module = importlib.import_module("relay_hf.patch")  # and so is `relay_hf.patch`
 
 
 def chats(system, questions):
@@ -276,16 +277,16 @@ def test_kv_bytes_count_held_storage_once():
 
 
 def test_a_pipeline_let_go_of_during_another_patch_does_not_deadlock():
-    """A pipeline's finalizer may run from garbage collection while ``_hold_patch`` holds its lock on the same thread
+    """A pipeline's finalizer may run from garbage collection while ``hold_patch`` holds its lock on the same thread
     (patching allocates); letting go must not wait for that lock."""
     from tests.helpers import tiny_model
 
     model = tiny_model("llama")
-    release = pipeline_module._hold_patch(model)
+    release = patch_module.hold_patch(model)
     assert relay_hf.is_patched(model)
 
     def collect_inside_the_lock():
-        with pipeline_module._HELD_LOCK:  # where _hold_patch runs patch()
+        with patch_module._HELD_LOCK:  # where hold_patch runs patch()
             release()
 
     worker = threading.Thread(target=collect_inside_the_lock, daemon=True)

@@ -131,3 +131,18 @@ def test_reading_the_model_changes_nothing():
         model(torch.tensor([[3, 4, 5]]))
     model.generate(torch.tensor([[3, 4, 5]]), max_new_tokens=2, do_sample=False)
     assert kv_dependencies(model) == before
+
+
+def test_a_packing_is_kept_while_its_entries_are():
+    store, packs = _store(100), []
+    pack = lambda values: packs.append(values) or b"".join(values)  # noqa: E731
+    store.get("a", 0, lambda: b"a" * 40)
+    store.get("b", 0, lambda: b"b" * 40)
+    assert store.packed(["a", "b"], pack) is store.packed(["a", "b"], pack) and len(packs) == 1
+    store.get("c", 0, lambda: b"c" * 40)
+    store.trim(keep=["b", "c"])  # a goes, and with it the packing that holds its bytes
+    assert store.keys() == ["b", "c"]
+    store.packed(["b", "c"], pack)
+    store.get("b", 1, lambda: b"B" * 40)  # the model changed: entries and packing are rebuilt
+    store.packed(["b"], pack)
+    assert packs[-1] == [b"B" * 40] and len(packs) == 3

@@ -12,7 +12,7 @@ _TRITON_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 def _triton_ok() -> bool:
     try:
-        from .triton_relay import triton_available
+        from .device import triton_available
     except ImportError:
         return False
     return triton_available()
@@ -131,7 +131,8 @@ def _tables_for_op(query: torch.Tensor, H_kv: int, P: int, groups: PrefixGroups 
         raise ValueError("inside torch.compile, pass prefix_groups as the GroupTables built ahead "
                          "(PrefixGroups.tables at triton_relay.grouped_launch_shape): a compiled graph cannot build "
                          "them, and would replay one call's layout for every later call")
-    from .triton_relay import active_config, grouped_launch_shape
+    from .config import active_config
+    from .layout import grouped_launch_shape
 
     check_prefix_groups(groups, query.shape[0], P)
     B, H_q, L_q, D = query.shape

@@ -3,12 +3,17 @@ TMA descriptors reused without keeping a prefix alive."""
 
 import dataclasses
 import gc
+import importlib
+import pkgutil
 import weakref
 
 import pytest
 import torch
 
+import relay_hf.kernels
 from relay_hf.kernels import triton_relay
+from relay_hf.kernels.plan import cached_plans, plan_relay
+from relay_hf.kernels.tma import PrefixDescriptors
 from relay_hf.kernels.triton_relay import DEFAULT_CONFIG, KernelConfig, relay_attention_triton, use_config
 from tests.helpers import dense_reference, make_inputs, rel_err
 
@@ -43,10 +48,14 @@ def test_malformed_configs_name_the_field(field, value):
 
 
 def test_no_tunable_is_module_state():
-    """The tunables live in the config only: a module attribute of an old name would be a setting that tunes
-    nothing."""
-    for field in dataclasses.fields(KernelConfig):
-        assert not hasattr(triton_relay, field.name.upper()), field.name
+    """The tunables live in the config only: a module attribute of an old name, in any kernels module, would be a
+    setting that tunes nothing."""
+    modules = [importlib.import_module(f"relay_hf.kernels.{m.name}") for m in pkgutil.iter_modules(
+        relay_hf.kernels.__path__)]
+    assert triton_relay in modules and len(modules) > 5
+    for module in modules:
+        for field in dataclasses.fields(KernelConfig):
+            assert not hasattr(module, field.name.upper()), (module.__name__, field.name)
 
 
 @needs_triton
@@ -54,24 +63,28 @@ def test_plan_is_built_once_per_key():
     """Layers with the same shapes share one launch plan; another config is another plan."""
     q, pk, pv, sk, sv, lens = make_inputs(2, 2, 2, 1, 5, 20, 64, dtype=torch.float16, padded=True, seed=1)
     relay_attention_triton(q, pk, pv, sk, sv, suffix_lengths=lens)
-    launches = dict(triton_relay._LAUNCHES)
+    plans = cached_plans()
+    plan = plan_relay(q, pk, pv, sk, sv, suffix_lengths=lens)
+    assert plan in plans and plan.config is DEFAULT_CONFIG
     out = relay_attention_triton(q.clone(), pk.clone(), pv.clone(), sk.clone(), sv.clone(), suffix_lengths=lens)
-    assert triton_relay._LAUNCHES == launches  # a hit: the same plan objects, none added
+    assert cached_plans() == plans  # a hit: the same plan objects, none added
+    assert plan_relay(q.clone(), pk.clone(), pv.clone(), sk.clone(), sv.clone(), suffix_lengths=lens) is plan
     other = dataclasses.replace(DEFAULT_CONFIG, separate_rows=(0, -1))
     assert rel_err(relay_attention_triton(q, pk, pv, sk, sv, suffix_lengths=lens, config=other), out) < 1e-3
-    added = [key for key in triton_relay._LAUNCHES if key not in launches]
-    assert len(added) == 1 and added[0][-1] is other
+    added = [p for p in cached_plans() if p not in plans]
+    assert len(added) == 1 and added[0].config is other and added[0] is not plan
 
 
 @needs_triton
 def test_use_config_scopes_calls_without_a_config():
     q, pk, pv, sk, sv, lens = make_inputs(2, 2, 2, 1, 5, 20, 64, padded=True, seed=2)
     one_launch = dataclasses.replace(DEFAULT_CONFIG, separate_rows=(0, -1), max_splits=2)
-    before = set(triton_relay._LAUNCHES)
+    before = set(cached_plans())
     with use_config(one_launch):
         out = relay_attention_triton(q, pk, pv, sk, sv, suffix_lengths=lens)
+        assert plan_relay(q, pk, pv, sk, sv, suffix_lengths=lens).config is one_launch
     relay_attention_triton(q, pk, pv, sk, sv, suffix_lengths=lens)
-    configs = {key[-1] for key in set(triton_relay._LAUNCHES) - before}
+    configs = {p.config for p in set(cached_plans()) - before}
     assert one_launch in configs and configs <= {one_launch, DEFAULT_CONFIG}
     assert rel_err(out, dense_reference(q, pk, pv, sk, sv, suffix_lengths=lens)) < 1e-4
     with pytest.raises(ValueError, match="KernelConfig"):
@@ -83,23 +96,22 @@ def test_use_config_scopes_calls_without_a_config():
 def test_cached_tma_descriptors_keep_no_prefix_alive():
     """On CUDA a plan reuses the TMA descriptors of a prefix address it has seen (every decode step of a layer); a
     descriptor holds the address, never the tensor, so a freed prefix is not kept alive. (The interpreter reads the
-    tensor through its descriptor: there they are built per call; the cached path is driven directly here.)"""
+    tensor through its descriptor: there they are built per call; the CUDA path, by address, is driven directly.)"""
     q, pk, pv, sk, sv, lens = make_inputs(2, 2, 2, 1, 5, 128, 64, dtype=torch.bfloat16, seed=3)
     relay_attention_triton(q, pk, pv, sk, sv, suffix_lengths=lens)
-    launch = next(v for k, v in triton_relay._LAUNCHES.items() if k[3] == pk.shape and k[1] == torch.bfloat16)
-    assert launch.tma
-    launch.interpreted = False  # the CUDA path: descriptors by address
-    try:
-        first = launch.descriptors(pk, pv)
-        assert first[0] is not None and launch.descriptors(pk, pv) is first
-        assert not isinstance(first[0].base, torch.Tensor) and first[0].base.data_ptr() == pk.data_ptr()
-        moved = make_inputs(2, 2, 2, 1, 5, 128, 64, dtype=torch.bfloat16, seed=4)[1]  # while pk lives: a new address
-        alive = weakref.ref(pk)
-        del pk
-        gc.collect()
-        assert alive() is None
-        assert launch.descriptors(moved, pv) is not first
-        odd = torch.empty(moved.numel() + 1, dtype=moved.dtype)[1:].view(moved.shape)  # 2-byte offset base
-        assert launch.descriptors(odd, pv) == (None, None)
-    finally:
-        launch.interpreted = True
+    plan = plan_relay(q, pk, pv, sk, sv, suffix_lengths=lens)
+    assert plan.descriptors.enabled and not plan.descriptors.by_address  # the interpreter: built per call
+    per_call = plan.descriptors.get(pk, pv)
+    assert per_call[0] is not None and plan.descriptors.get(pk, pv) is not per_call and not plan.descriptors.cache
+    descriptors = PrefixDescriptors(pk, pv, 64, 64, DEFAULT_CONFIG, by_address=True)  # the CUDA path
+    first = descriptors.get(pk, pv)
+    assert first[0] is not None and descriptors.get(pk, pv) is first
+    assert not isinstance(first[0].base, torch.Tensor) and first[0].base.data_ptr() == pk.data_ptr()
+    moved = make_inputs(2, 2, 2, 1, 5, 128, 64, dtype=torch.bfloat16, seed=4)[1]  # while pk lives: a new address
+    alive = weakref.ref(pk)
+    del pk, per_call
+    gc.collect()
+    assert alive() is None
+    assert descriptors.get(moved, pv) is not first
+    odd = torch.empty(moved.numel() + 1, dtype=moved.dtype)[1:].view(moved.shape)  # 2-byte offset base
+    assert descriptors.get(odd, pv) == (None, None)

@@ -145,9 +145,9 @@ def test_the_dispatcher_sends_options_to_the_kernels_on_cuda():
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
     q, pk, pv, sk, sv, lengths = (t.cuda() for t in make_inputs(3, 2, 2, 1, 9, 40, 64, padded=True, seed=7))
-    before = len(triton_relay._LAUNCHES)
+    before = len(triton_relay.cached_plans())
     relay_attention(q, pk, pv, sk, sv, suffix_lengths=lengths, softcap=2.0, window=5, sinks=torch.zeros(4).cuda())
-    assert len(triton_relay._LAUNCHES) == before + 1
+    assert len(triton_relay.cached_plans()) == before + 1
 
 
 @pytest.mark.gpu

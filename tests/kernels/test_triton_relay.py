@@ -10,6 +10,8 @@ import pytest
 import torch
 
 from relay_hf.kernels import triton_relay
+from relay_hf.kernels.layout import block_d, plan_layout
+from relay_hf.kernels.tma import prefix_descriptors
 from relay_hf.kernels.triton_relay import DEFAULT_CONFIG, plan_splits, plan_suffix_splits, relay_attention_triton
 from tests.helpers import dense_reference, make_inputs, rel_err
 
@@ -95,7 +97,7 @@ def test_strided_prefix_matches_reference(dtype):
     q, pk, pv, sk, sv, lens = [t.to(DEVICE) if t is not None else None
                                for t in make_inputs(3, 2, 4, 1, 9, 150, 64, dtype=dtype, padded=True, seed=5)]
     pk, pv = (t.transpose(1, 2).contiguous().transpose(1, 2) for t in (pk, pv))
-    assert not pk.is_contiguous() and triton_relay._prefix_descriptors(pk, pv, 64, 64)[0] is not None
+    assert not pk.is_contiguous() and prefix_descriptors(pk, pv, 64, 64)[0] is not None
     out = run_poisoned(q, pk, pv, sk, sv, lens)
     assert rel_err(out, dense_reference(q, pk, pv, sk, sv, suffix_lengths=lens)) < TOL[dtype]
 
@@ -104,7 +106,7 @@ def test_tma_only_where_it_can_run():
     """Descriptors for fp16/bf16 with an unpadded head dim and 16-byte aligned strides; pointer loads otherwise."""
     def desc(dtype=torch.bfloat16, D=64, P=128):
         t = torch.randn(1, 2, P, D, device=DEVICE).to(dtype)
-        return triton_relay._prefix_descriptors(t, t, 64, triton_relay._block_d(D))[0]
+        return prefix_descriptors(t, t, 64, block_d(D))[0]
 
     if DEVICE == "cuda" and torch.cuda.get_device_capability()[0] < 9:
         assert desc() is None
@@ -112,7 +114,7 @@ def test_tma_only_where_it_can_run():
     assert desc() is not None
     assert desc(torch.float32) is None and desc(D=96) is None and desc(P=0) is None
     odd = torch.randn(1, 2, 128, 68, device=DEVICE).to(torch.bfloat16)[..., :64]  # 136-byte rows: not 16-aligned
-    assert triton_relay._prefix_descriptors(odd, odd, 64, 64)[0] is None
+    assert prefix_descriptors(odd, odd, 64, 64)[0] is None
 
 
 def test_empty_row_without_prefix_is_zero():
@@ -137,11 +139,10 @@ def test_fused_merge_only_for_small_merge_tiles():
     (4 query rows per KV head, 16-row block) fuses 16 slots; a 64-row append block with as many slots does not. PDL
     only on a device that has it."""
     h200 = dict(num_sms=132, hopper=False)  # an H200's SM count
-    decode = triton_relay._plan(B=32, N=128, G=4, L_q=1, P=16384, L_s=256, H_kv=8, D=128, **h200)
+    decode = plan_layout(B=32, N=128, G=4, L_q=1, P=16384, L_s=256, H_kv=8, D=128, **h200)
     assert decode.sep and decode.p_splits == 16 and decode.s_splits == 1 and decode.fuse and not decode.pdl
-    assert triton_relay._plan(B=32, N=128, G=4, L_q=1, P=16384, L_s=256, H_kv=8, D=128, num_sms=132,
-                              hopper=True).pdl
-    append = triton_relay._plan(B=2, N=128, G=4, L_q=16, P=16384, L_s=32, H_kv=8, D=128, **h200)
+    assert plan_layout(B=32, N=128, G=4, L_q=1, P=16384, L_s=256, H_kv=8, D=128, num_sms=132, hopper=True).pdl
+    append = plan_layout(B=2, N=128, G=4, L_q=16, P=16384, L_s=32, H_kv=8, D=128, **h200)
     assert append.sep and append.p_splits == 16 and append.s_splits == 1 and not append.fuse
 
 
@@ -248,7 +249,7 @@ def test_paired_suffix_units_match_reference(B, dtype, G, L_q, P, end):
     """Each fused suffix program streams two batch rows (odd B: the last pair's second row is computed, not stored).
     The rule asks for at most one prefix program per SM, which the interpreter's 4 SMs rarely give: plan for more."""
     config = dataclasses.replace(DEFAULT_CONFIG, **LAYOUTS["paired_suffix"], num_sms=1 << 10)
-    assert triton_relay._plan(B, B * G * L_q, G, L_q, P, 16, 2, 64, config.num_sms, False, config).pair
+    assert plan_layout(B, B * G * L_q, G, L_q, P, 16, 2, 64, config.num_sms, False, config).pair
     q, pk, pv, sk, sv, lens = [t.to(DEVICE) if t is not None else None
                                for t in make_inputs(B, 2, G, L_q, 16, P, 64, dtype=dtype, padded=True, seed=B + P)]
     end_t = None if end is None else torch.tensor([end], device=DEVICE)
@@ -263,9 +264,9 @@ def test_suffix_pairing_rule():
     """On a 132-SM GPU: B=64 decode rows beside a 4096-token prefix pair up (one prefix program per SM, 512 suffix
     programs); not where two prefix programs fill each SM (8192 tokens), where the suffix fits beside the prefix
     (B=32), or where the prefix is short (1024 tokens)."""
-    assert triton_relay._plan(64, 256, 4, 1, 4096, 88, 8, 128, 132, True).pair
-    assert not triton_relay._plan(64, 256, 4, 1, 8192, 88, 8, 128, 132, True).pair
-    assert not triton_relay._plan(32, 128, 4, 1, 4096, 256, 8, 128, 132, True).pair
-    assert not triton_relay._plan(64, 256, 4, 1, 1024, 88, 8, 128, 132, True).pair
+    assert plan_layout(64, 256, 4, 1, 4096, 88, 8, 128, 132, True).pair
+    assert not plan_layout(64, 256, 4, 1, 8192, 88, 8, 128, 132, True).pair
+    assert not plan_layout(32, 128, 4, 1, 4096, 256, 8, 128, 132, True).pair
+    assert not plan_layout(64, 256, 4, 1, 1024, 88, 8, 128, 132, True).pair
     never = dataclasses.replace(DEFAULT_CONFIG, suffix_pair_above=None)
-    assert not triton_relay._plan(64, 256, 4, 1, 4096, 88, 8, 128, 132, True, never).pair
+    assert not plan_layout(64, 256, 4, 1, 4096, 88, 8, 128, 132, True, never).pair

@@ -1,0 +1,91 @@
+"""``RelayPlan``: planned once per layout, run per layer; the kernels' argument order pinned against their
+signatures (the direct launcher passes arguments by position)."""
+
+import pytest
+import torch
+
+from relay_hf.kernels import jit
+from relay_hf.kernels.device import triton_available
+from relay_hf.kernels.direct import constexpr_tail, runtime_params
+from relay_hf.kernels.triton_relay import DEFAULT_CONFIG, cached_plans, plan_relay, relay_attention_triton
+from tests.helpers import dense_reference, make_inputs, rel_err
+
+pytestmark = pytest.mark.skipif(not triton_available(), reason="triton cannot run here")
+
+
+def test_argument_order_is_the_kernels_signature():
+    """A launch passes runtime arguments by position (``PARTIALS_PARAMS`` / ``MERGE_PARAMS``) and then every
+    constexpr in signature order; the TMA descriptors sit at ``DESCRIPTOR_SLOTS``, next to each other."""
+    assert runtime_params(jit._partials_kernel) == jit.PARTIALS_PARAMS
+    assert runtime_params(jit._merge_kernel) == jit.MERGE_PARAMS
+    kd, vd = jit.DESCRIPTOR_SLOTS
+    assert (jit.PARTIALS_PARAMS[kd], jit.PARTIALS_PARAMS[vd]) == ("KD", "VD") and vd == kd + 1
+    tail = constexpr_tail(jit._merge_kernel, dict(BLOCK_R=4, BLOCK_S=2, BLOCK_D=64))
+    assert tail == (4, 2, 64, False)  # SINK: its default
+
+
+def _layers(n, **kw):
+    """``n`` layers' tensors of one step's layout (same shapes, other values)."""
+    return [make_inputs(3, 2, 2, 1, 9, 40, 64, padded=True, seed=seed, **kw) for seed in range(n)]
+
+
+def test_one_plan_serves_every_layer_of_a_step():
+    """The plan built for the step's first layer is the one every later layer gets (no new plan), and running it
+    directly, with no lookup, gives each layer what ``relay_attention_triton`` gives."""
+    layers = _layers(3, dtype=torch.bfloat16)
+    q, pk, pv, sk, sv, lens = layers[0]
+    plan = plan_relay(q, pk, pv, sk, sv, suffix_lengths=lens)
+    plans = cached_plans()
+    for q, pk, pv, sk, sv, lens in layers:
+        assert plan_relay(q, pk, pv, sk, sv, suffix_lengths=lens) is plan
+        assert plan.fits(q, pk, pv, sk, sv, suffix_lengths=lens)
+        out = plan.run(q, pk, pv, sk, sv, suffix_lengths=lens)
+        assert torch.equal(out, relay_attention_triton(q, pk, pv, sk, sv, suffix_lengths=lens))
+        assert rel_err(out, dense_reference(q, pk, pv, sk, sv, suffix_lengths=lens)) < 1e-2
+    assert cached_plans() == plans
+    grown = make_inputs(3, 2, 2, 1, 10, 40, 64, dtype=torch.bfloat16, padded=True, seed=0)  # the next step: L_s + 1
+    assert not plan.fits(*grown[:5], suffix_lengths=grown[5])
+    assert not plan.fits(*layers[0][:5], suffix_lengths=None)
+    assert plan_relay(*grown[:5], suffix_lengths=grown[5]) is not plan
+
+
+def test_a_plan_keeps_its_layout_and_config():
+    q, pk, pv, sk, sv, lens = _layers(1)[0]
+    plan = plan_relay(q, pk, pv, sk, sv, suffix_lengths=lens, softcap=2.0, window=5)
+    assert plan.config is DEFAULT_CONFIG and plan.layout.rows == 3
+    assert plan is not plan_relay(q, pk, pv, sk, sv, suffix_lengths=lens)  # the options are part of the layout
+    assert plan is plan_relay(q, pk, pv, sk, sv, suffix_lengths=lens, softcap=3.0, window=5)  # a softcap's value is not
+    with pytest.raises(ValueError, match="scale > 0"):
+        plan.run(q, pk, pv, sk, sv, suffix_lengths=lens, softcap=2.0, scale=0.0)
+    with pytest.raises(ValueError, match="out must be"):
+        plan.run(q, pk, pv, sk, sv, suffix_lengths=lens, softcap=2.0, out=torch.empty(1))
+
+
+@pytest.mark.parametrize("L_q", [1, 3])
+def test_the_default_output_is_the_transpose_of_a_contiguous_buffer(L_q):
+    """The HF seam's ``out.transpose(1, 2).contiguous()`` costs nothing: the output is laid out ``[B, L_q, H_q, D]``."""
+    q, pk, pv, sk, sv, lens = make_inputs(3, 2, 2, L_q, 9, 40, 64, padded=True, seed=L_q)
+    out = relay_attention_triton(q, pk, pv, sk, sv, suffix_lengths=lens)
+    assert out.shape == q.shape and out.transpose(1, 2).is_contiguous() and out.storage_offset() == 0
+    assert out.untyped_storage().nbytes() == out.numel() * out.element_size()
+
+
+# a call laid out like a planned one but for one argument, which does not fit: the plan key holds every fact the
+# input checks read, so it is checked again (never served by the kept plan) and refused by name
+MISFITS = {"prefix_value": (lambda a: dict(a, prefix_value=a["prefix_value"][:, :, :-1]), "prefix_value"),
+           "prefix_key": (lambda a: dict(a, prefix_key=a["prefix_key"].double()), "prefix_key dtype"),
+           "suffix_value": (lambda a: dict(a, suffix_value=a["suffix_value"][:, :, :-1]), "suffix_value"),
+           "suffix_key": (lambda a: dict(a, suffix_key=a["suffix_key"].to("meta")), "suffix_key is on meta"),
+           "suffix_lengths": (lambda a: dict(a, suffix_lengths=a["suffix_lengths"][:-1]), "suffix_lengths"),
+           "suffix_end": (lambda a: dict(a, suffix_end=torch.tensor([9, 9])), "suffix_end")}
+
+
+@pytest.mark.parametrize("name", list(MISFITS))
+def test_a_call_that_fits_no_kept_plan_is_checked(name):
+    q, pk, pv, sk, sv, lens = make_inputs(3, 2, 2, 1, 9, 40, 64, padded=True, seed=11)
+    args = dict(query=q, prefix_key=pk, prefix_value=pv, suffix_key=sk, suffix_value=sv, suffix_lengths=lens,
+                suffix_end=torch.tensor([9]))
+    relay_attention_triton(**args)
+    bad, message = MISFITS[name]
+    with pytest.raises(ValueError, match=message):
+        relay_attention_triton(**bad(args))

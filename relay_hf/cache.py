@@ -27,6 +27,7 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 from transformers.utils import is_torchdynamo_compiling
 
 from ._compat import attn_implementation
+from .kernels import pin_tables
 from .kernels.groups import PrefixGroups, window_kept
 from .names import is_relay_name
 from .prefill import prefill_tree
@@ -565,22 +566,12 @@ class RelayCache(Cache):
                     self._pin(key, view)
 
     def _pin(self, key: int, groups: PrefixGroups) -> None:
-        from .kernels import triton_serves
-        from .kernels.triton_relay import active_config, grouped_launch_shape, triton_available
-
         lay = self.layers[0]
-        H_kv, D = lay.prefix_keys.shape[1], lay.prefix_keys.shape[3]
-        if not triton_available() or not triton_serves(lay.prefix_keys.dtype, D, lay.prefix_values.shape[3], None):
-            return
-        rows = lay.suffix_padding.shape[0]
-        G = self.config.get_text_config(decoder=True).num_attention_heads // H_kv
-        block_m, items = grouped_launch_shape(rows * G, D, groups, active_config())
-        shapes = ((items, 7), (groups.depth * rows,), (rows,))
-        held = self._tables.get(key)
-        if held is None or tuple(t.shape for t in held) != shapes:
-            held = self._tables[key] = tuple(torch.zeros(s, dtype=torch.int32, device=self.prefix_device)
-                                             for s in shapes)
-        groups.pin(self.prefix_device, block_m, G, items, held)
+        G = self.config.get_text_config(decoder=True).num_attention_heads // lay.prefix_keys.shape[1]
+        held = pin_tables(groups, lay.prefix_keys, lay.prefix_values, lay.suffix_padding.shape[0], G,
+                          self._tables.get(key))
+        if held is not None:
+            self._tables[key] = held
 
     def can_refill(self, base: RelayCache, rows: int, max_suffix_length: int, max_rows: int | None = None,
                    paths=None) -> bool:

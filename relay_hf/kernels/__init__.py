@@ -50,6 +50,33 @@ def triton_serves(dtype: torch.dtype, head_dim: int, value_head_dim: int, scale:
             and (scale is None or scale > 0))
 
 
+def pin_tables(groups: PrefixGroups, prefix_key: torch.Tensor, prefix_value: torch.Tensor, rows: int,
+               group_size: int, buffers: tuple[torch.Tensor, ...] | None = None) -> tuple[torch.Tensor, ...] | None:
+    """Write the Triton kernels' work tables of ``groups`` into int32 buffers on the prefix's device, in place, and
+    make ``groups`` read them from now on: CUDA graphs captured on these buffers replay with the layout written last.
+
+    Args:
+        groups: the layout of this call's ``rows`` rows. ``prefix_key`` / ``prefix_value``: ``[1, H_kv, P, D]``
+            (their dtype, head dims and device pick the launch shape). ``group_size``: query heads per KV head.
+        buffers: the tables pinned for the previous call of the same cache (reused when their shapes still fit).
+
+    Returns the buffers, or ``None`` where the kernels would not run this call (no Triton, or a dtype / head dim
+    they do not serve): then there is nothing to pin."""
+    from .config import active_config
+    from .device import triton_available
+    from .layout import grouped_launch_shape
+
+    D = prefix_key.shape[3]
+    if not triton_available() or not triton_serves(prefix_key.dtype, D, prefix_value.shape[3], None):
+        return None
+    block_m, items = grouped_launch_shape(rows * group_size, D, groups, active_config())
+    shapes = ((items, 7), (groups.depth * rows,), (rows,))
+    if buffers is None or tuple(t.shape for t in buffers) != shapes:
+        buffers = tuple(torch.zeros(s, dtype=torch.int32, device=prefix_key.device) for s in shapes)
+    groups.pin(prefix_key.device, block_m, group_size, items, buffers)
+    return buffers
+
+
 def relay_attention(query: torch.Tensor, prefix_key: torch.Tensor, prefix_value: torch.Tensor,
                     suffix_key: torch.Tensor, suffix_value: torch.Tensor, *, scale: float | None = None,
                     suffix_lengths: torch.Tensor | None = None, suffix_end: torch.Tensor | None = None,

@@ -26,8 +26,8 @@ from transformers.masking_utils import AttentionMaskInterface, causal_mask_funct
 from transformers.utils import is_torchdynamo_compiling
 
 from ._compat import attn_implementation, eager_attention_function, registered_attention, registered_mask
-from .cache import RelayKV, RelayOffset
 from .kernels import relay_attention
+from .layers import RelayKV, RelayOffset
 from .names import ATTN_NAME, RELAY_NAMES, STOCK_OF
 
 DEFAULT_STOCK = "sdpa"

@@ -7,7 +7,7 @@ from transformers.masking_utils import sdpa_mask
 
 from relay_hf import attention
 from relay_hf.attention import RelayMask, relay_attention_forward, relay_mask
-from relay_hf.cache import RelayKV, RelayOffset
+from relay_hf.layers import RelayKV, RelayOffset
 
 
 def test_mask_on_a_relay_cache_is_the_suffix_lengths():

@@ -5,7 +5,7 @@ import torch
 
 import relay_hf
 from relay_hf import RelayCache
-from relay_hf.cache import RelayLayer, StaticRelayLayer
+from relay_hf.layers import RelayLayer, StaticRelayLayer
 from tests.helpers import shared_prefix_batch, tiny_model
 
 

@@ -25,10 +25,10 @@ from transformers.cache_utils import Cache
 
 from ._compat import attn_implementation
 from .kernels import pin_tables
-from .kernels.groups import PrefixGroups, window_kept
+from .kernels.groups import PrefixGroups
 from .layers import RelayLayer, StaticRelayLayer
 from .names import is_relay_name
-from .prefill import prefill_tree
+from .prefill import pack_prefixes, prefill_tree
 from .prefix import PrefixTree
 
 PREFIX_ROUNDING = 256  # a static cache of several prefixes holds their packed positions rounded up to this
@@ -66,7 +66,6 @@ class RelayCache(Cache):
         self.config = config
         self.tree = tree
         self._groups = None  # a fork's PrefixGroups (every layer reads through it, or its windowed view)
-        self._tables: dict = {}  # a static cache's kernel tables for several prefixes, per view (``_pin``)
 
     @property
     def prefix_ids(self) -> torch.Tensor | None:
@@ -119,31 +118,10 @@ class RelayCache(Cache):
             raise ValueError("combine takes RelayCaches built with from_prefix / from_prefixes")
         if len(caches) == 1:
             return caches[0]
-        ids, parents = [], []
-        for c in caches:
-            parents += [p + len(ids) if p >= 0 else -1 for p in c.tree.parents]
-            ids += list(c.tree.ids)
         if any(c.config is not caches[0].config for c in caches):
             raise ValueError("combine takes RelayCaches of one model")
-        # a layer one cache trimmed to its window (TRIM_AT_MOST) is trimmed in the combination; another cache's
-        # prefixes are trimmed on the way (the packing copies them anyway)
-        windows = [next((w for w in ws if w is not None), None)
-                   for ws in zip(*[[lay.window for lay in c.layers] for c in caches])]
-        kv = []
-        for i, window in enumerate(windows):
-            keys, values = [], []
-            for c in caches:
-                lay = c.layers[i]
-                stored = window_kept(c.tree.lengths, lay.window)
-                if lay.window is not None and lay.window != window:
-                    raise ValueError("combine takes RelayCaches of one model")
-                at = 0
-                for n, keep in zip(stored, window_kept(stored, window)):
-                    keys.append(lay.prefix_keys[:, :, at + n - keep:at + n])
-                    values.append(lay.prefix_values[:, :, at + n - keep:at + n])
-                    at += n
-            kv.append((torch.cat(keys, 2), torch.cat(values, 2)))
-        return cls(caches[0].config, kv, tree=PrefixTree(tuple(ids), tuple(parents)), windows=windows)
+        kv, tree, windows = pack_prefixes([(c.tree, c.layers) for c in caches])
+        return cls(caches[0].config, kv, tree=tree, windows=windows)
 
     def reserve(self, tokens: int) -> None:
         """Size every layer's suffix buffers for ``tokens`` positions when they are first allocated."""
@@ -182,8 +160,9 @@ class RelayCache(Cache):
                              "row reads")
         if groups is not None and suffix_padding is None:
             raise ValueError("a fork of several prefixes needs suffix_padding (the rows' layout)")
-        fork = type(self)(self.config, [(lay.prefix_keys, lay.prefix_values) for lay in self.layers], tree=self.tree,
-                          windows=[lay.window for lay in self.layers])
+        kind = RelayCache if max_suffix_length is None else StaticRelayCache
+        fork = kind(self.config, [(lay.prefix_keys, lay.prefix_values) for lay in self.layers], tree=self.tree,
+                    windows=[lay.window for lay in self.layers])
         for lay in fork.layers:
             lay.suffix_padding = suffix_padding
         if max_suffix_length is not None:
@@ -191,31 +170,16 @@ class RelayCache(Cache):
                 raise ValueError("a static RelayCache needs a prefix; build it with RelayCache.from_prefix")
             # the static fork owns its prefix (a copy), so ``refill`` can overwrite it in place for the next call;
             # several prefixes are held with room to spare, so the next call's may differ a little
-            fork.layers = [StaticRelayLayer(*self._static_prefix(lay, groups), max_suffix_length, suffix_padding,
+            fork.layers = [StaticRelayLayer(*_static_prefix(lay, groups), max_suffix_length, suffix_padding,
                                             window=lay.window, full_lengths=lay.full_lengths) for lay in self.layers]
             if groups is not None:
                 groups = self.groups_for(paths, _segment_capacity(groups))
         fork._set_groups(groups)
         return fork
 
-    @staticmethod
-    def _static_prefix(layer: RelayLayer, groups: PrefixGroups | None) -> tuple[torch.Tensor, torch.Tensor]:
-        """A static cache's own prefix buffers: a copy, with rounded-up room when it holds several prefixes."""
-        if groups is None:
-            return layer.prefix_keys.clone(), layer.prefix_values.clone()
-        P = layer.prefix_keys.shape[2]
-        room = -(-max(P, 1) // PREFIX_ROUNDING) * PREFIX_ROUNDING
-        out = []
-        for t in (layer.prefix_keys, layer.prefix_values):
-            buf = t.new_zeros(1, t.shape[1], room, t.shape[3])
-            buf[:, :, :P] = t
-            out.append(buf)
-        return out[0], out[1]
-
-    def _set_groups(self, groups: PrefixGroups | None) -> None:
+    def _set_groups(self, groups: PrefixGroups | None) -> dict[int, PrefixGroups | None]:
         """Hand every layer this call's ``groups`` (trimmed sliding-window layers read them through one shared
-        windowed view per window). A static cache on CUDA also writes the kernel tables of each view into buffers of
-        its own (``_pin``), in place, so the decode step captured on them replays with this call's layout."""
+        windowed view per window). Returns the views by window (``0``: the call's groups as they are)."""
         self._groups = groups
         rows = None
         padding = self.layers[0].suffix_padding if self.layers else None
@@ -230,62 +194,7 @@ class RelayCache(Cache):
                 if lay.window not in shared:  # one windowed view per window, shared by its layers
                     shared[lay.window] = lay.view(rows)
                 lay.set_groups(groups, rows, shared[lay.window])
-        if self.is_static and self.prefix_device.type == "cuda":
-            views = {0: groups, **shared}  # 0: the layers that read the call's groups as they are
-            for key, view in views.items():
-                if view is not None:
-                    self._pin(key, view)
-
-    def _pin(self, key: int, groups: PrefixGroups) -> None:
-        lay = self.layers[0]
-        G = self.config.get_text_config(decoder=True).num_attention_heads // lay.prefix_keys.shape[1]
-        held = pin_tables(groups, lay.prefix_keys, lay.prefix_values, lay.suffix_padding.shape[0], G,
-                          self._tables.get(key))
-        if held is not None:
-            self._tables[key] = held
-
-    def can_refill(self, base: RelayCache, rows: int, max_suffix_length: int, max_rows: int | None = None,
-                   paths=None) -> bool:
-        """Whether this static cache can serve ``base``'s prefix for ``rows`` rows (up to ``max_rows`` rows of buffers:
-        relay_hf's loop runs extra rows; ``None``: exactly ``rows``) and ``max_suffix_length`` suffix positions (or
-        more, up to twice that) without new buffers; with several prefixes, rows reading ``paths`` (as many levels,
-        at most the planned segments per level, packed within the room held)."""
-        mine = self.layers[0]
-        if not (self.is_static and mine.is_initialized and rows <= mine._kbuf.shape[0] <= (max_rows or rows)
-                and max_suffix_length <= mine.max_suffix_length <= 2 * max_suffix_length):
-            return False
-        groups = None if paths is None else base.groups_for(paths)
-        if (groups is None) != (self._groups is None):
-            return False
-        if groups is not None and not (groups.depth == self._groups.depth
-                                       and groups.segments_per_level <= self._groups.segments_per_level):
-            return False
-        for lay, src in zip(self.layers, base.layers):
-            held, need = lay.prefix_keys.shape, src.prefix_keys.shape
-            if (lay.window != src.window or lay.prefix_keys.dtype != src.prefix_keys.dtype
-                    or lay.prefix_keys.device != src.prefix_keys.device or held[:2] != need[:2]):
-                return False
-            if groups is None and held != need:  # one prefix: the kernels are planned for its exact length
-                return False
-            if groups is not None and not need[2] <= held[2] <= 2 * need[2] + PREFIX_ROUNDING:
-                return False
-        return True
-
-    def refill(self, base: RelayCache, suffix_padding: torch.Tensor, paths=None) -> None:
-        """Reuse this static cache for ``base``'s prefix and new rows: every buffer keeps its address, so the CUDA
-        graphs captured for the previous call replay instead of being recorded again."""
-        groups = None
-        if paths is not None:
-            groups = base.groups_for(paths, self._groups and self._groups.segments_per_level)
-        for lay, src in zip(self.layers, base.layers):
-            P = src.prefix_keys.shape[2]
-            lay.prefix_keys[:, :, :P].copy_(src.prefix_keys)
-            lay.prefix_values[:, :, :P].copy_(src.prefix_values)
-            lay.suffix_padding = suffix_padding
-            lay.full_lengths = src.full_lengths
-            lay.reset()
-        self.tree = base.tree
-        self._set_groups(groups)
+        return {0: groups, **shared}  # 0: the layers that read the call's groups as they are
 
     @property
     def is_static(self) -> bool:
@@ -359,6 +268,90 @@ class RelayCache(Cache):
         segments = "" if self.tree is None or len(self.tree.ids) == 1 else f", segments={len(self.tree.ids)}"
         return (f"RelayCache(layers={len(self.layers)}, prefix_length={self.prefix_length}{segments}, "
                 f"suffix_length={self.layers[0].suffix_length if self.layers else 0})")
+
+
+class StaticRelayCache(RelayCache):
+    """A ``RelayCache`` of ``StaticRelayLayer``s (``RelayCache.fork(max_suffix_length=...)``): its own copy of the
+    prefixes and fixed suffix buffers, so compiled and captured decode steps run on it, and ``refill`` reuses every
+    buffer in place for the next call (the captured graphs replay). On CUDA it also holds the kernels' work tables of
+    its call's groups (``kernels.pin_tables``), rewritten in place per call."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._tables: dict = {}  # window (0: none) -> the pinned tables of that view
+
+    def _set_groups(self, groups: PrefixGroups | None) -> dict[int, PrefixGroups | None]:
+        views = super()._set_groups(groups)
+        if self.is_static and self.prefix_device.type == "cuda":
+            for key, view in views.items():
+                if view is not None:
+                    self._pin(key, view)
+        return views
+
+    def _pin(self, key: int, groups: PrefixGroups) -> None:
+        lay = self.layers[0]
+        G = self.config.get_text_config(decoder=True).num_attention_heads // lay.prefix_keys.shape[1]
+        held = pin_tables(groups, lay.prefix_keys, lay.prefix_values, lay.suffix_padding.shape[0], G,
+                          self._tables.get(key))
+        if held is not None:
+            self._tables[key] = held
+
+    def can_refill(self, base: RelayCache, rows: int, max_suffix_length: int, max_rows: int | None = None,
+                   paths=None) -> bool:
+        """Whether this static cache can serve ``base``'s prefix for ``rows`` rows (up to ``max_rows`` rows of buffers:
+        relay_hf's loop runs extra rows; ``None``: exactly ``rows``) and ``max_suffix_length`` suffix positions (or
+        more, up to twice that) without new buffers; with several prefixes, rows reading ``paths`` (as many levels,
+        at most the planned segments per level, packed within the room held)."""
+        mine = self.layers[0]
+        if not (self.is_static and mine.is_initialized and rows <= mine._kbuf.shape[0] <= (max_rows or rows)
+                and max_suffix_length <= mine.max_suffix_length <= 2 * max_suffix_length):
+            return False
+        groups = None if paths is None else base.groups_for(paths)
+        if (groups is None) != (self._groups is None):
+            return False
+        if groups is not None and not (groups.depth == self._groups.depth
+                                       and groups.segments_per_level <= self._groups.segments_per_level):
+            return False
+        for lay, src in zip(self.layers, base.layers):
+            held, need = lay.prefix_keys.shape, src.prefix_keys.shape
+            if (lay.window != src.window or lay.prefix_keys.dtype != src.prefix_keys.dtype
+                    or lay.prefix_keys.device != src.prefix_keys.device or held[:2] != need[:2]):
+                return False
+            if groups is None and held != need:  # one prefix: the kernels are planned for its exact length
+                return False
+            if groups is not None and not need[2] <= held[2] <= 2 * need[2] + PREFIX_ROUNDING:
+                return False
+        return True
+
+    def refill(self, base: RelayCache, suffix_padding: torch.Tensor, paths=None) -> None:
+        """Reuse this static cache for ``base``'s prefix and new rows: every buffer keeps its address, so the CUDA
+        graphs captured for the previous call replay instead of being recorded again."""
+        groups = None
+        if paths is not None:
+            groups = base.groups_for(paths, self._groups and self._groups.segments_per_level)
+        for lay, src in zip(self.layers, base.layers):
+            P = src.prefix_keys.shape[2]
+            lay.prefix_keys[:, :, :P].copy_(src.prefix_keys)
+            lay.prefix_values[:, :, :P].copy_(src.prefix_values)
+            lay.suffix_padding = suffix_padding
+            lay.full_lengths = src.full_lengths
+            lay.reset()
+        self.tree = base.tree
+        self._set_groups(groups)
+
+
+def _static_prefix(layer: RelayLayer, groups: PrefixGroups | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """A static cache's own prefix buffers: a copy, with rounded-up room when it holds several prefixes."""
+    if groups is None:
+        return layer.prefix_keys.clone(), layer.prefix_values.clone()
+    P = layer.prefix_keys.shape[2]
+    room = -(-max(P, 1) // PREFIX_ROUNDING) * PREFIX_ROUNDING
+    out = []
+    for t in (layer.prefix_keys, layer.prefix_values):
+        buf = t.new_zeros(1, t.shape[1], room, t.shape[3])
+        buf[:, :, :P] = t
+        out.append(buf)
+    return out[0], out[1]
 
 
 def _prefix_ids(ids, name: str) -> torch.Tensor:

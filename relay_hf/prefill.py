@@ -89,3 +89,31 @@ def layer_windows(model) -> list[int | None]:
         ok = isinstance(window, int) and not isinstance(window, bool) and window >= 1
         out.append(window if ok else None)
     return out
+
+
+def pack_prefixes(caches) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], PrefixTree, list[int | None]]:
+    """The stored prefixes of several caches of one model, packed into one: ``caches`` is ``[(tree, layers)]``.
+    Returns ``(kv, tree, windows)`` as ``prefill_tree`` does, the trees side by side (their KV copied once)."""
+    ids, parents = [], []
+    for tree, _ in caches:
+        parents += [p + len(ids) if p >= 0 else -1 for p in tree.parents]
+        ids += list(tree.ids)
+    # a layer one cache trimmed to its window (TRIM_AT_MOST) is trimmed in the combination; another cache's
+    # prefixes are trimmed on the way (the packing copies them anyway)
+    windows = [next((w for w in ws if w is not None), None)
+               for ws in zip(*[[lay.window for lay in layers] for _, layers in caches])]
+    kv = []
+    for i, window in enumerate(windows):
+        keys, values = [], []
+        for tree, layers in caches:
+            lay = layers[i]
+            stored = window_kept(tree.lengths, lay.window)
+            if lay.window is not None and lay.window != window:
+                raise ValueError("combine takes RelayCaches of one model (their layers keep different windows)")
+            at = 0
+            for n, keep in zip(stored, window_kept(stored, window)):
+                keys.append(lay.prefix_keys[:, :, at + n - keep:at + n])
+                values.append(lay.prefix_values[:, :, at + n - keep:at + n])
+                at += n
+        kv.append((torch.cat(keys, 2), torch.cat(values, 2)))
+    return kv, PrefixTree(tuple(ids), tuple(parents)), windows

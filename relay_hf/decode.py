@@ -2,8 +2,8 @@
 graphs on CUDA, the host looking only every ``DecodeConfig.chunk`` steps.
 
 Why: transformers' ``generate`` loop synchronises with the GPU after every token (``this_peer_finished``, the
-streamer), so on an H200 the GPU idles ~3 ms of a ~9 ms Llama-3-8B step (docs/performance.md). Here a step is two
-graph replays and nothing else:
+streamer), so the GPU idles for part of every step while the host catches up (docs/performance.md, "What limits it";
+measured by ``benchmarks/generate.py``). Here a step is two graph replays and nothing else:
 
 * the forward (``_forward``): the model on the last tokens of ``rows`` rows, where ``rows`` is the batch rounded up to
   a capture size (``DecodeConfig.row_buckets``), so a new batch size reuses the graph of its bucket; the extra rows are
@@ -18,6 +18,11 @@ The host keeps what a per-step loop would: EOS and stop strings per row (finishe
 (tokens arrive one step at a time, a chunk at a time), and the generator's offset, rewound to where stock's would be
 when the last chunk ran past the stop. ``loop_sampler`` says what the loop cannot reproduce; ``policy`` then sends
 the call to transformers' loop.
+
+The loop has gpt-fast's shape: ``_prefill`` (the rows' own tokens), then ``DecodeStep`` once per token, ``decode.chunk``
+steps between host looks. A step's forward and choice each live through named states: ``Warming(left)`` eager steps,
+then ``Captured(graph)``, or ``Eager(reason)`` (off CUDA, or the capture failed: warned once, never retried); the
+choice is ``Pending`` until its forward replays.
 """
 
 from __future__ import annotations
@@ -48,12 +53,13 @@ class DecodeConfig:
             docs/performance.md), and fewer buckets mean fewer kernel variants to build.
         row_step: rounding of batches beyond the last bucket.
         capture_blas: BLAS library preferred while the step warms up and is captured, for 16-bit models on CUDA
-            (``None``: leave torch's choice). The step's GEMMs are skinny (a row per sequence); on an H200 (bf16,
-            Llama-3-8B, 64 rows, S = 4096) cuBLASLt's kernels made the captured step 6.17 vs 6.34 ms
-            (docs/performance.md). The process-wide preference is restored right after.
+            (``None``: leave torch's choice). The step's GEMMs are skinny (a row per sequence), and cuBLASLt's
+            kernels for them made the captured bf16 step faster on an H200 (measured with ``benchmarks/generate.py``).
+            The process-wide preference is restored right after.
         step_inductor_options: inductor options for a compiled forward on CUDA, under the user's
-            ``CompileConfig.options``. Combo kernels launch a layer's ~9 small independent kernels together:
-            6.14 -> 5.92-5.98 ms a step at S = 4096, B = 64 (docs/performance.md). ``()``: inductor's defaults.
+            ``CompileConfig.options``. Combo kernels launch a layer's small independent kernels (norms, RoPE, cache
+            writes) together, which shortened the compiled step (docs/performance.md, the ``relay_compiled`` rows;
+            ``benchmarks/generate.py``). ``()``: inductor's defaults.
     """
 
     chunk: int = 16
@@ -156,23 +162,57 @@ def _field_of(processor_name: str) -> str:
     return known.get(processor_name, "generation config")
 
 
-class _Rows:
-    """The per-row device state of the choice for ``R`` real rows (kept with its step, refilled per call)."""
+# -- the decode step: a forward and a choice, each in one of these states --------------------------------------------
+WARM_UP_STEPS = 2  # eager steps before the forward is captured (compilation, autotuning, the allocator's first blocks)
 
-    def __init__(self, R: int, capacity: int, vocab: int, sampler: Sampler, device):
-        self.R, self.sampler, self.key = R, sampler, (R, capacity, sampler.key)
+
+@dataclass(frozen=True, slots=True)
+class Warming:
+    """The forward before its capture (CUDA only): ``left`` more eager steps, each on a side stream as torch's capture
+    recipe warms up; at ``left == 0`` the next step captures it (``Captured``, or ``Eager`` when that fails)."""
+
+    left: int
+
+
+@dataclass(frozen=True, slots=True)
+class Pending:
+    """The choice before its capture: it reads the logits buffer of a captured forward, so the first step whose forward
+    replays captures it (``Captured``, or ``Eager`` when that fails); until then it runs as eager ops."""
+
+
+@dataclass(frozen=True, slots=True)
+class Captured:
+    """Replayed as ``graph`` every step, on the buffers it was recorded with."""
+
+    graph: torch.cuda.CUDAGraph
+
+
+@dataclass(frozen=True, slots=True)
+class Eager:
+    """Run as eager ops every step, for good; ``reason`` says why (off CUDA, or its capture failed: warned once and
+    never retried, so a failing capture costs one attempt, not one a step)."""
+
+    reason: str
+
+
+class _Choice:
+    """The choice for ``R`` real rows: its per-row device state (kept with its step, refilled per call) and its
+    ``state`` (``Pending`` -> ``Captured`` / ``Eager``; ``Eager`` from the start when its forward runs eagerly).
+
+    ``sampler`` stays the one the choice was made (and captured) with: a captured graph reads its EOS tensors, and
+    ``key`` says a later call's sampler has the same settings, so ``start`` copies only the per-call values in."""
+
+    def __init__(self, R: int, capacity: int, vocab: int, sampler: Sampler, device, state: Pending | Eager):
+        self.R, self.sampler, self.key, self.state = R, sampler, (R, capacity, sampler.key), state
         self.k = torch.zeros((), dtype=torch.long, device=device)  # tokens made so far
         self.min_k = torch.zeros((), dtype=torch.long, device=device)
         self.pad = torch.tensor(sampler.pad, device=device)
         self.unfinished = torch.ones(R, dtype=torch.bool, device=device)  # [R]
         self.tokens = torch.zeros(R, capacity, dtype=torch.long, device=device)  # [R, capacity] made tokens
         self.seen = None if sampler.penalty is None else torch.zeros(R, vocab, dtype=torch.bool, device=device)
-        self.graph = None  # the captured choice; False once capturing it failed (then it runs eagerly)
 
     def start(self, sampler: Sampler, rows_per_input: int) -> None:
-        """Reset for a call whose sampler has this one's key. ``self.sampler`` stays the one the choice graph was
-        captured with (the graph reads its EOS tensors; the key says the new one's settings are the same): only the
-        per-call values are copied in."""
+        """Reset for a call whose sampler has this one's key (``rows_per_input``: return sequences per input)."""
         self.k.zero_()
         self.min_k.fill_(sampler.min_k)
         self.unfinished.fill_(True)
@@ -180,16 +220,16 @@ class _Rows:
             self.seen.copy_(sampler.seen.repeat_interleave(rows_per_input, 0))
 
 
-def _choose(logits: torch.Tensor, rows: _Rows, tok: torch.Tensor) -> None:
+def _choose(logits: torch.Tensor, choice: _Choice, tok: torch.Tensor) -> None:
     """One token per real row from ``logits [R, V]``, exactly as stock's ``_sample`` step: fp32 scores, repetition
     penalty, EOS ban while too short, stock's warpers, then argmax or the draw; ``pad`` for finished rows. Writes
-    ``rows.tokens[:, k]`` and ``tok [R, 1]``, updates ``unfinished`` / ``seen`` / ``k`` in place."""
-    s = rows.sampler
+    ``choice.tokens[:, k]`` and ``tok [R, 1]``, updates ``unfinished`` / ``seen`` / ``k`` in place."""
+    s = choice.sampler
     scores = logits.float()
     if s.penalty is not None:  # RepetitionPenaltyLogitsProcessor's arithmetic on the tokens it would gather
-        scores = torch.where(rows.seen, torch.where(scores < 0, scores * s.penalty, scores / s.penalty), scores)
+        scores = torch.where(choice.seen, torch.where(scores < 0, scores * s.penalty, scores / s.penalty), scores)
     if s.eos is not None:  # Min(New)LengthLogitsProcessor: -inf on EOS while fewer than min_k tokens are made
-        scores = torch.where(s.eos[1] & (rows.k < rows.min_k), -float("inf"), scores)
+        scores = torch.where(s.eos[1] & (choice.k < choice.min_k), -float("inf"), scores)
     for warper in s.warpers:
         scores = warper(None, scores)
     if s.sample:
@@ -198,13 +238,13 @@ def _choose(logits: torch.Tensor, rows: _Rows, tok: torch.Tensor) -> None:
     else:
         nxt = torch.argmax(scores, dim=-1)
     if s.eos is not None:
-        nxt = torch.where(rows.unfinished, nxt, rows.pad)
-        rows.unfinished.logical_and_(~torch.isin(nxt, s.eos[0]))
-    rows.tokens.index_copy_(1, rows.k.view(1), nxt[:, None])
-    tok[:rows.R].copy_(nxt[:, None])
-    if rows.seen is not None:
-        rows.seen.scatter_(1, nxt[:, None], True)
-    rows.k.add_(1)
+        nxt = torch.where(choice.unfinished, nxt, choice.pad)
+        choice.unfinished.logical_and_(~torch.isin(nxt, s.eos[0]))
+    choice.tokens.index_copy_(1, choice.k.view(1), nxt[:, None])
+    tok[:choice.R].copy_(nxt[:, None])
+    if choice.seen is not None:
+        choice.seen.scatter_(1, nxt[:, None], True)
+    choice.k.add_(1)
 
 
 def _forward(model, name: str, cache, tok: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
@@ -214,102 +254,143 @@ def _forward(model, name: str, cache, tok: torch.Tensor, pos: torch.Tensor) -> t
     return logits[:, -1, :]
 
 
-class _Stepper:
-    """The decode step on one static cache (a bucket of ``Rb`` rows): the forward, compiled where
-    ``compile_config`` says, and on CUDA captured as a graph after two warm-up steps; the choice of the current
-    ``_Rows``, captured as its own graph. Kept with its cache (``state.StaticSlot``), so the next call that refills
-    that cache replays the same graphs."""
+# the step's warnings name fast_generate's caller: the stacklevel of one raised in a method that ``__call__`` calls
+# (that method, __call__, fast_generate, its caller), and of one raised a level further down
+_WARN_IN_STEP, _WARN_BELOW_STEP = 4, 5
+
+
+def _capture(fn, what: str) -> Captured | Eager:
+    """``fn`` recorded as a CUDA graph and replayed once: ``Captured``. Nothing runs while recording, so when the
+    capture fails the state is intact: ``Eager`` with the reason, after a warning (the caller does not try again)."""
+    try:
+        graph = torch.cuda.CUDAGraph()
+        # thread_local: another thread's eager work on the model (a concurrent stock call, a prefill) neither
+        # breaks this capture nor is refused while it runs
+        with torch.cuda.graph(graph, capture_error_mode="thread_local"):
+            fn()
+    except Exception as err:  # noqa: BLE001 - decode on without the graph rather than lose the call
+        reason = f"capturing the decode {what} failed ({type(err).__name__}: {err})"
+        warnings.warn(f"relay_hf: {reason}; running it without a CUDA graph", RuntimeWarning,
+                      stacklevel=_WARN_BELOW_STEP)
+        return Eager(reason)
+    graph.replay()
+    return Captured(graph)
+
+
+class DecodeStep:
+    """The decode step on one static cache, at ``Rb`` rows (a bucket): the forward on ``tok`` / ``pos`` ``[Rb, 1]``
+    int64, then ``choice``, the call's real rows' token choice (writes ``tok``). Kept with its cache
+    (``state.StaticSlot.stepper``), so the next call that refills that cache replays the same graphs.
+
+    ``state`` is the forward's life. On CUDA: ``Warming(WARM_UP_STEPS)``, one eager step less each step, then the
+    step after the last captures it: ``Captured(graph)``, or ``Eager(reason)``. Off CUDA: ``Eager`` throughout. The
+    choice follows its forward (``_Choice``). Apart from that, a compiled forward (``compile_config``) that fails to
+    compile runs uncompiled from then on, after a warning (``compiled`` turns false); the failed step does not count
+    as a warm-up step."""
 
     def __init__(self, model, cache, rows: int, compile_config, key: tuple, decode: DecodeConfig):
         device = model.device
-        self.key, self.decode, self.rows = key, decode, rows
+        self.key, self.decode = key, decode
         self.model, self.cache, self.name = model, cache, cache_kwarg_name(model)
         self.tok = torch.zeros(rows, 1, dtype=torch.long, device=device)  # [Rb, 1] graph inputs
         self.pos = torch.zeros_like(self.tok)
-        self.fn, self.graph, self.logits, self.warm = _forward, None, None, 0
-        self.capture = device.type == "cuda"
-        self.real: _Rows | None = None
+        self.logits: torch.Tensor | None = None  # [Rb, V] of the last forward (a captured forward's own buffer)
+        self.fn = _forward
         if compile_config is not None:
             self.fn = torch.compile(_forward, dynamic=False,
                                     **_compile_kwargs(compile_config, device.type, decode.step_inductor_options))
+        self.state: Warming | Captured | Eager = (Warming(WARM_UP_STEPS) if device.type == "cuda" else
+                                                  Eager("CUDA graphs need a CUDA device"))
+        self.choice: _Choice | None = None
 
     def __deepcopy__(self, memo):  # a CUDA graph cannot be copied; a copied model captures its own step
         return None
 
-    def rows_for(self, R: int, capacity: int, vocab: int, sampler: Sampler) -> _Rows:
-        """The ``_Rows`` for this call's real rows: the last one (and its captured choice) when its settings match."""
-        if self.real is None or self.real.key != (R, capacity, sampler.key):
-            self.real = _Rows(R, capacity, vocab, sampler, self.tok.device)
-        return self.real
+    @property
+    def captures(self) -> bool:
+        """Whether the forward is, or is still to be, a CUDA graph (the host then looks every ``decode.chunk`` steps,
+        not every step)."""
+        return self.state.__class__ is not Eager
 
-    def _run(self) -> torch.Tensor:
-        return self.fn(self.model, self.name, self.cache, self.tok, self.pos)
+    @property
+    def compiled(self) -> bool:
+        """Whether the forward runs compiled (asked for, and compiling has not failed)."""
+        return self.fn is not _forward
+
+    @property
+    def graph(self) -> torch.cuda.CUDAGraph | None:
+        """The forward's CUDA graph once captured, else ``None`` (for inspection; ``state`` says why)."""
+        return self.state.graph if self.state.__class__ is Captured else None
+
+    def choice_for(self, R: int, capacity: int, vocab: int, sampler: Sampler) -> _Choice:
+        """The choice for this call's ``R`` real rows (``capacity`` tokens at most, ``vocab`` logits): the last one,
+        captured graph and all, when its settings match, else a new one."""
+        if self.choice is None or self.choice.key != (R, capacity, sampler.key):
+            state = Eager(self.state.reason) if self.state.__class__ is Eager else Pending()
+            self.choice = _Choice(R, capacity, vocab, sampler, self.tok.device, state)
+        return self.choice
 
     def __call__(self) -> None:
-        """One decode step: forward, then the choice for ``self.real``."""
-        if self.graph is not None:
-            self.graph.replay()
+        """One decode step: the forward, then the choice for ``self.choice`` (the host never waits here on CUDA)."""
+        state = self.state
+        if state.__class__ is Captured:
+            state.graph.replay()
+        elif state.__class__ is Eager:
+            self._run_eagerly(None, _WARN_IN_STEP)
         else:
-            with _capture_blas(self.decode.capture_blas, self.model.dtype if self.capture else None):
-                self._warm_or_capture()
-        rows = self.real
-        choose = lambda: _choose(self.logits[:rows.R], rows, self.tok)  # noqa: E731
-        if rows.graph is None and self.graph is not None:  # the forward is captured: its logits stay put
-            rows.graph = self._record(choose, "choice") or False  # recording replays it once
-            if rows.graph:
+            self._warm_up_or_capture(state)
+        choice = self.choice
+        if choice.state.__class__ is Captured:
+            choice.state.graph.replay()
+        else:
+            self._choose_uncaptured(choice)
+
+    def _warm_up_or_capture(self, state: Warming) -> None:
+        with _capture_blas(self.decode.capture_blas, self.model.dtype):
+            if state.left > 0:
+                if self._run_eagerly(torch.cuda.Stream(), _WARN_BELOW_STEP):
+                    self.state = Warming(state.left - 1)
                 return
-        if rows.graph:
-            rows.graph.replay()
-        else:
-            choose()
 
-    def _record(self, fn, what: str):
-        """``fn`` captured as a graph and replayed once (nothing runs while recording, so a failure leaves the state
-        intact), or ``None`` after a warning when it cannot be captured."""
+            def record():
+                self.logits = self._run()
+
+            self.state = _capture(record, "step")
+            if self.state.__class__ is Eager:  # nothing ran: this step runs eagerly, and so does the choice
+                self.logits = self._run()
+                self.choice.state = Eager(self.state.reason)
+
+    def _run_eagerly(self, side: torch.cuda.Stream | None, stacklevel: int) -> bool:
+        """The forward as eager ops, on the ``side`` stream when given (a warm-up step). ``False`` when the compiled
+        forward failed and the step ran uncompiled instead."""
         try:
-            graph = torch.cuda.CUDAGraph()
-            # thread_local: another thread's eager work on the model (a concurrent stock call, a prefill) neither
-            # breaks this capture nor is refused while it runs
-            with torch.cuda.graph(graph, capture_error_mode="thread_local"):
-                fn()
-        except Exception as err:  # noqa: BLE001 - decode on without the graph rather than lose the call
-            warnings.warn(f"relay_hf: capturing the decode {what} failed ({type(err).__name__}: {err}); running it "
-                          "without a CUDA graph", RuntimeWarning, stacklevel=5)
-            return None
-        graph.replay()
-        return graph
-
-    def _warm_or_capture(self) -> None:
-        if not self.capture or self.warm < 2:  # warm-up steps are real steps (compile, autotune, allocator)
-            self._eager_step()
-            return
-        def record():
-            self.logits = self._run()
-        graph = self._record(record, "step")
-        if graph is None:
-            self.capture = False
-            self.logits = self._run()
-        self.graph = graph
-
-    def _eager_step(self) -> None:
-        try:
-            if self.capture:
-                side = torch.cuda.Stream()
+            if side is None:
+                self.logits = self._run()
+            else:
                 side.wait_stream(torch.cuda.current_stream())
                 with torch.cuda.stream(side):
                     self.logits = self._run()
                 torch.cuda.current_stream().wait_stream(side)
-            else:
-                self.logits = self._run()
-            self.warm += 1
+            return True
         except Exception as err:  # noqa: BLE001 - a compile failure must not lose the user's call
             # dynamo / inductor fail while compiling, before the step runs, so running it eagerly now is one step
             if self.fn is _forward:
                 raise
             warnings.warn(f"relay_hf: compiling the decode step failed ({type(err).__name__}: {err}); decoding "
-                          "eagerly", RuntimeWarning, stacklevel=5)
+                          "eagerly", RuntimeWarning, stacklevel=stacklevel)
             self.fn = _forward
             self.logits = self._run()
+            return False
+
+    def _run(self) -> torch.Tensor:
+        return self.fn(self.model, self.name, self.cache, self.tok, self.pos)
+
+    def _choose_uncaptured(self, choice: _Choice) -> None:
+        if choice.state.__class__ is Pending and self.state.__class__ is Captured:  # the logits buffer stays put
+            choice.state = _capture(lambda: _choose(self.logits[:choice.R], choice, self.tok), "choice")
+            if choice.state.__class__ is Captured:  # its capture replayed it once
+                return
+        _choose(self.logits[:choice.R], choice, self.tok)
 
 
 @contextlib.contextmanager
@@ -349,11 +430,11 @@ def _compile_kwargs(compile_config, device_type: str, step_options: tuple = DEFA
     return dict(fullgraph=compile_config.fullgraph, backend=compile_config.backend, mode=mode, options=options)
 
 
-def _stepper(model, slot, rows: int, compile_config, decode: DecodeConfig) -> _Stepper:
+def _step_for(model, slot, rows: int, compile_config, decode: DecodeConfig) -> DecodeStep:
     """The slot's step if it was made for these settings, else a new one (announced: it captures or compiles). The
     kernel configuration in force is one of them: the captured launches, and the work tables a static cache of
     several prefixes lays out for the next call, follow it."""
-    from .kernels.triton_relay import active_config
+    from .kernels.config import active_config
 
     compiled = None if compile_config is None else repr(compile_config.to_dict())
     key = rows, compiled, decode, active_config()
@@ -364,8 +445,21 @@ def _stepper(model, slot, rows: int, compile_config, decode: DecodeConfig) -> _S
         how = "compiling it with inductor and capturing" if compile_config is not None else "capturing"
         logger.warning("relay_hf: one-time setup for %d rows x %d suffix positions: %s the decode step as CUDA graphs",
                        rows, slot.cache.layers[0].max_suffix_length, how)
-    slot.stepper = _Stepper(model, slot.cache, rows, compile_config, key, decode)
+    slot.stepper = DecodeStep(model, slot.cache, rows, compile_config, key, decode)
     return slot.stepper
+
+
+def _prefill(model, cache, ids: torch.Tensor, mask: torch.Tensor, rows: int):
+    """The rows' own tokens after the cached prefix (``ids`` / ``mask`` ``[R, T]``, relay layout), at ``rows >= R``
+    rows: the extra rows copy row 0. Returns the last logits ``[rows, V]``, and the last tokens and their next
+    positions, ``[rows, 1]`` int64 each (the decode step's first inputs)."""
+    fill = torch.zeros(rows - ids.shape[0], dtype=torch.long, device=ids.device)
+    ids_b, mask_b = torch.cat([ids, ids[fill]]), torch.cat([mask, mask[fill]])
+    pos = (mask_b.long().cumsum(-1) - 1).masked_fill(mask_b == 0, 0)  # stock's positions: pads get 0
+    P = cache.prefix_length
+    logits = model(input_ids=ids_b[:, P:], position_ids=pos[:, P:], use_cache=True, logits_to_keep=1,
+                   **{cache_kwarg_name(model): cache}).logits[:, -1, :]
+    return logits, ids_b[:, -1:], pos[:, -1:] + 1
 
 
 class _Generator:
@@ -444,31 +538,25 @@ def fast_generate(model, ids: torch.Tensor, mask: torch.Tensor, stock_ids: torch
     ids, mask = ids.repeat_interleave(rows_per_input, 0), mask.repeat_interleave(rows_per_input, 0)
     if streamer is not None:  # stock streams the prompt expanded to its return sequences
         streamer.put(ids.cpu())
-    R, T = ids.shape
+    R = ids.shape[0]
     cache = slot.cache
     Rb = cache.layers[0].suffix_padding.shape[0]
-    fill = torch.zeros(Rb - R, dtype=torch.long, device=ids.device)  # extra rows: copies of row 0, dropped
-    ids_b, mask_b = torch.cat([ids, ids[fill]]), torch.cat([mask, mask[fill]])
-    pos = (mask_b.long().cumsum(-1) - 1).masked_fill(mask_b == 0, 0)  # stock's positions: pads get 0
-    P = cache.prefix_length
-    logits = model(input_ids=ids_b[:, P:], position_ids=pos[:, P:], use_cache=True, logits_to_keep=1,
-                   **{cache_kwarg_name(model): cache}).logits[:, -1, :]
-    step = _stepper(model, slot, Rb, compile_config, decode)
-    vocab = logits.shape[-1]
-    rows = step.rows_for(R, cache.layers[0].max_suffix_length, vocab, sampler)
-    rows.start(sampler, rows_per_input)
-    step.tok.copy_(ids_b[:, -1:])
-    step.pos.copy_(pos[:, -1:] + 1)
+    logits, last, pos = _prefill(model, cache, ids, mask, Rb)
+    step = _step_for(model, slot, Rb, compile_config, decode)
+    choice = step.choice_for(R, cache.layers[0].max_suffix_length, logits.shape[-1], sampler)
+    choice.start(sampler, rows_per_input)
+    step.tok.copy_(last)
+    step.pos.copy_(pos)
     rng = _Generator(ids.device, sampler.sample)
     rng.mark()
-    _choose(logits[:R], rows, step.tok)
+    _choose(logits[:R], choice, step.tok)
     made, sent = 1, 0
-    chunk = decode.chunk if step.capture else 1
+    chunk = decode.chunk if step.captures else 1
     finish = _Finish(stock_ids.repeat_interleave(rows_per_input, 0).cpu(), sampler, stop)
     while True:
-        by_stop = finish.add(rows.tokens[:, finish.tokens.shape[1]:made].cpu())  # the host's one look
+        by_stop = finish.add(choice.tokens[:, finish.tokens.shape[1]:made].cpu())  # the host's one look
         if bool(by_stop.any()):
-            rows.unfinished.masked_fill_(by_stop.to(ids.device), False)
+            choice.unfinished.masked_fill_(by_stop.to(ids.device), False)
         keep = finish.length()
         done = made >= n_new or keep < made or bool((finish.at >= 0).all())
         if streamer is not None:

@@ -3,8 +3,10 @@ for token, streamer put for streamer put and RNG draw for RNG draw what stock ``
 repetition penalty, EOS per row, minimum lengths, return sequences, stop strings), on five architectures; calls it
 cannot serve go to transformers' loop and say why."""
 
+import contextlib
 import copy
 import functools
+import warnings
 
 import pytest
 import torch
@@ -19,7 +21,7 @@ from transformers import (
 from transformers.generation.streamers import BaseStreamer
 
 import relay_hf
-from relay_hf.decode import DEFAULT_DECODE, DecodeConfig
+from relay_hf.decode import DEFAULT_DECODE, WARM_UP_STEPS, Captured, DecodeConfig, Eager, Pending, Warming
 from tests.helpers import VOCAB, grouped_batch, run_stock, shared_prefix_batch, tiny_model
 
 GRAPH = dict(min_prefix_length=8, decode="graph")
@@ -61,6 +63,16 @@ def _sampled_row_eos(model, ids, mask, **gen) -> list[int]:
     """The same for a seeded sampled call: tokens that call draws early, at a different step per row."""
     out = run_stock(model, ids, mask, max_new_tokens=12, **gen)
     return sorted({int(out[r, ids.shape[1] + 1 + r % 10]) for r in range(out.shape[0])})
+
+
+@contextlib.contextmanager
+def _relay_warnings():
+    """The messages of the ``relay_hf:`` warnings raised inside the block (a list, filled when it ends)."""
+    found = []
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        yield found
+    found += [str(w.message) for w in caught if str(w.message).startswith("relay_hf:")]
 
 
 def _finish_steps(out: torch.Tensor, T: int, eos: list[int]) -> list[int]:
@@ -357,7 +369,20 @@ def test_auto_mode_off_cuda_decodes_on_transformers_loop_unless_a_static_cache_i
     decision = model.relay_last_decision
     assert decision.used and decision.static and decision.fast_decode and torch.equal(static, stock)
     # off CUDA transformers compiles nothing unless told to, so neither does the loop
-    assert not hasattr(model._relay_state.idle_static().stepper.fn, "_torchdynamo_orig_callable")
+    assert not model._relay_state.idle_static().stepper.compiled
+
+
+def test_off_cuda_the_step_and_its_choice_run_eagerly_and_say_why():
+    """No CUDA graphs off CUDA: the forward and the choice are ``Eager`` from the first step, with the reason, and
+    stay so for the next calls that replay the kept step."""
+    model = tiny_model("llama")
+    ids, mask, _ = shared_prefix_batch(seed=35)
+    stock = run_stock(model, ids, mask, max_new_tokens=6, do_sample=False)
+    for _ in range(2):
+        assert torch.equal(_loop(model, ids, mask, max_new_tokens=6, do_sample=False), stock)
+        step = model._relay_state.idle_static().stepper
+        assert isinstance(step.state, Eager) and "CUDA" in step.state.reason
+        assert step.choice.state == step.state and not step.captures and step.graph is None
 
 
 # -- calls the loop cannot serve ------------------------------------------------------------------------------------
@@ -407,17 +432,24 @@ def test_repetition_penalty_off_the_loop_runs_stock_generate(gen):
 
 # -- the compiled forward --------------------------------------------------------------------------------------------
 def test_compiled_forward_traces_as_one_graph_and_matches_eager():
-    """A ``compile_config`` call compiles the loop's forward with ``fullgraph=True``. CPU CI uses the ``eager``
-    backend (tracing is what can break); on the GPU inductor compiles it and a CUDA graph captures it."""
+    """A ``compile_config`` call compiles the loop's forward with ``fullgraph=True``. CPU CI uses an eager backend
+    that counts the graphs dynamo hands it (tracing is what can break); on the GPU inductor compiles it and a CUDA
+    graph captures it."""
+    traced = []
+
+    def eager_backend(gm, example_inputs):  # what backend="eager" does, counting the graphs it is handed
+        traced.append(gm)
+        return gm.forward
+
     model = relay_hf.patch(tiny_model("llama"), min_prefix_length=8)
     ids, mask, _ = shared_prefix_batch(seed=14)
     eager = model.generate(ids, attention_mask=mask, max_new_tokens=8, do_sample=False)
-    config = CompileConfig(fullgraph=True, backend="eager", mode=None)
+    config = CompileConfig(fullgraph=True, backend=eager_backend, mode=None)
     config._compile_all_devices = True  # transformers compiles on accelerators only unless told otherwise
     torch._dynamo.reset()
     compiled = model.generate(ids, attention_mask=mask, max_new_tokens=8, do_sample=False, compile_config=config)
     assert model.relay_last_decision.fast_decode
-    assert hasattr(model._relay_state.idle_static().stepper.fn, "_torchdynamo_orig_callable")  # compiled forward ran
+    assert traced and model._relay_state.idle_static().stepper.compiled  # the compiled forward ran
     assert torch.equal(eager, compiled)
     assert model.config._attn_implementation == "relay"
 
@@ -435,6 +467,11 @@ def test_a_forward_that_fails_to_compile_decodes_eagerly_with_a_warning():
     with pytest.warns(RuntimeWarning, match="compiling the decode step failed"):
         out = model.generate(ids, attention_mask=mask, max_new_tokens=6, do_sample=False, compile_config=config)
     assert model.relay_last_decision.fast_decode and torch.equal(eager, out)
+    step = model._relay_state.idle_static().stepper
+    assert not step.compiled
+    with _relay_warnings() as found:  # the same settings replay the kept step: uncompiled, not compiled again
+        out = model.generate(ids, attention_mask=mask, max_new_tokens=6, do_sample=False, compile_config=config)
+    assert model._relay_state.idle_static().stepper is step and torch.equal(eager, out) and not found
     again = model.generate(ids, attention_mask=mask, max_new_tokens=6, do_sample=False)
     assert torch.equal(eager, again)  # the model stays usable
 
@@ -443,7 +480,9 @@ def test_a_patched_model_with_a_kept_step_can_be_deep_copied():
     model = relay_hf.patch(tiny_model("qwen3"), **GRAPH)
     ids, mask, _ = shared_prefix_batch(seed=16)
     out = model.generate(ids, attention_mask=mask, max_new_tokens=6, do_sample=False)
-    assert model._relay_state.idle_static().stepper is not None
+    slot = model._relay_state.idle_static()
+    assert slot.stepper is not None
+    assert copy.deepcopy(slot).stepper is None  # a graph cannot be copied: a copied cache captures its own step
     twin = copy.deepcopy(model)
     assert twin._relay_state.idle_static() is None and relay_hf.is_patched(twin)
     assert torch.equal(out, twin.generate(ids, attention_mask=mask, max_new_tokens=6, do_sample=False))
@@ -545,9 +584,96 @@ def test_captured_loop_with_several_prompts_replays_each_calls_layout_on_gpu():
             out, draw = stock[2 * b + c]
             assert torch.equal(loop, out) and torch.equal(loop_draw, draw), call
         slot = model._relay_state.idle_static()
-        assert slot.stepper.graph is not None  # captured, and replayed by the next batches
+        assert isinstance(slot.stepper.state, Captured)  # captured, and replayed by the next batches
         slots.append((slot, slot.stepper))
     assert slots[1] == slots[0] and slots[2] == slots[0]
+
+
+def _count_captures(monkeypatch, fail_from: int | None = None) -> list[dict]:
+    """Records the keyword arguments of each CUDA graph capture (``torch.cuda.graph``) from now on; the
+    ``fail_from``-th capture and every later one fail before recording anything."""
+    real, calls = torch.cuda.graph, []
+
+    def graph(cuda_graph, **kwargs):
+        calls.append(kwargs)
+        if fail_from is not None and len(calls) >= fail_from:
+            raise RuntimeError("no capture here")
+        return real(cuda_graph, **kwargs)
+
+    monkeypatch.setattr(torch.cuda, "graph", graph)
+    return calls
+
+
+@pytest.mark.gpu
+def test_the_step_warms_up_then_captures_its_forward_and_choice_once_on_gpu(monkeypatch):
+    """fp32 on CUDA: the forward runs ``WARM_UP_STEPS`` eager steps (a call of that many steps captures nothing),
+    then the next step captures the forward and its choice, each in thread-local error mode; later calls with the
+    same settings replay both, and a new sampler gets a choice of its own, captured in its first step."""
+    model = tiny_model("llama").cuda()
+    ids, mask, _ = shared_prefix_batch(seed=42)
+    ids, mask = ids.cuda(), mask.cuda()
+    calls = [dict(max_new_tokens=1 + WARM_UP_STEPS, do_sample=False), dict(max_new_tokens=6, do_sample=False),
+             dict(max_new_tokens=6, do_sample=False), dict(max_new_tokens=6, do_sample=True, top_k=20)]
+    stock = [run_stock(model, ids, mask, **call) for call in calls]
+    captures = _count_captures(monkeypatch)
+    seen = []
+    for call, out in zip(calls, stock, strict=True):
+        assert torch.equal(_loop(model, ids, mask, **call), out)
+        step = model._relay_state.idle_static().stepper
+        seen.append(dict(step=step, forward=step.state, choice=step.choice, chosen=step.choice.state,
+                         captures=len(captures)))
+    warm, first, again, other = seen
+    assert warm["forward"] == Warming(0) and warm["chosen"] == Pending() and warm["captures"] == 0
+    assert first["step"] is warm["step"] and first["captures"] == 2
+    assert isinstance(first["forward"], Captured) and isinstance(first["chosen"], Captured)
+    assert again["step"] is first["step"] and again["forward"] is first["forward"]
+    assert again["choice"] is first["choice"] and again["chosen"] is first["chosen"] and again["captures"] == 2
+    assert other["step"] is first["step"] and other["forward"] is first["forward"]
+    assert other["choice"] is not first["choice"] and isinstance(other["chosen"], Captured) and other["captures"] == 3
+    assert all(kwargs == dict(capture_error_mode="thread_local") for kwargs in captures)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("what, fail_from", [("step", 1), ("choice", 2)])
+def test_a_capture_that_fails_is_warned_once_and_not_retried_on_gpu(monkeypatch, what, fail_from):
+    """fp32 on CUDA, every capture from the ``fail_from``-th on failing: the part that failed (the forward, or the
+    choice after the forward was captured) runs as eager ops, with stock's tokens and RNG; one warning, and the next
+    call on the kept step neither captures it again nor warns."""
+    model = tiny_model("qwen2").cuda()
+    ids, mask, _ = shared_prefix_batch(seed=43)
+    ids, mask = ids.cuda(), mask.cuda()
+    gen = dict(max_new_tokens=12, do_sample=True, top_k=20)
+    stock, draw = run_stock(model, ids, mask, **gen), torch.rand(3, device="cuda")
+    captures = _count_captures(monkeypatch, fail_from)
+    for call in range(2):
+        with _relay_warnings() as found:
+            out = _loop(model, ids, mask, **gen)
+        assert torch.equal(out, stock) and torch.equal(torch.rand(3, device="cuda"), draw)
+        assert model.relay_last_decision.fast_decode
+        step = model._relay_state.idle_static().stepper
+        if what == "step":  # the choice follows its eager forward
+            assert isinstance(step.state, Eager) and step.choice.state == step.state and not step.captures
+        else:
+            assert isinstance(step.state, Captured) and isinstance(step.choice.state, Eager)
+        failed = step.state if what == "step" else step.choice.state
+        assert "no capture here" in failed.reason
+        assert len(captures) == fail_from  # tried once, in the first call
+        if call == 0:
+            assert len(found) == 1 and f"capturing the decode {what} failed" in found[0], found
+        else:
+            assert not found
+
+
+@pytest.mark.gpu
+def test_a_captured_16_bit_call_leaves_the_blas_preference_as_it_was_on_gpu():
+    """The step warms up and is captured under ``DecodeConfig.capture_blas`` for a bf16 model; the process-wide
+    preference is back to what it was once the call returns."""
+    model = tiny_model("llama").to("cuda", torch.bfloat16)
+    ids, mask, _ = shared_prefix_batch(seed=44)
+    before = torch.backends.cuda.preferred_blas_library()
+    _loop(model, ids.cuda(), mask.cuda(), max_new_tokens=8, do_sample=False)
+    assert isinstance(model._relay_state.idle_static().stepper.state, Captured)
+    assert torch.backends.cuda.preferred_blas_library() == before
 
 
 @pytest.mark.parametrize("gen", [

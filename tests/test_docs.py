@@ -1,4 +1,4 @@
-"""Every ```python block of README.md and docs/*.md runs as written.
+"""The docs' code and links: every ```python block of README.md and docs/*.md is valid Python and runs as written.
 
 Conventions (docs/quickstart.md states them for readers):
 
@@ -7,10 +7,15 @@ Conventions (docs/quickstart.md states them for readers):
   not run;
 * ``from_pretrained(..., gguf_file="SmolLM2-135M-Instruct.Q4_1.gguf")`` hands back the ``smollm2`` fixture's model
   and tokenizer (fp32 on the CPU, left padding; loaded once per test run) instead of dequantising the file again.
+
+The default run checks every page in seconds: each block compiles, every ``relay_hf`` name a block uses exists, every
+repository path a block opens and every relative link resolves, and the pages whose blocks are cheap run. A page that
+loads the embedded model generates under its ~820-token system prompt, minutes on a CPU: it runs under ``-m long``.
 """
 
 from __future__ import annotations
 
+import ast
 import re
 from pathlib import Path
 
@@ -19,8 +24,11 @@ import pytest
 import relay_hf
 from tests.helpers import REPO, SMOLLM2_FILE
 
-PAGES = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
+PAGES = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md")), REPO / "benchmarks" / "README.md"]
 BLOCK = re.compile(r"^```python[ \t]*\n(.*?)^```[ \t]*$", re.MULTILINE | re.DOTALL)
+FENCE = re.compile(r"^```.*?^```[ \t]*$", re.MULTILINE | re.DOTALL)
+LINK = re.compile(r"\]\(([^()\s]+)\)")
+HEADING = re.compile(r"^#+[ \t]+(.+?)[ \t]*$", re.MULTILINE)
 FRAGMENT = "# fragment:"
 
 
@@ -34,11 +42,22 @@ def is_fragment(code: str) -> bool:
     return code.lstrip().startswith(FRAGMENT)
 
 
+def loads_embedded_model(page: Path) -> bool:
+    return SMOLLM2_FILE in page.read_text()
+
+
+def anchor(heading: str) -> str:
+    """The anchor GitHub gives a heading: lower case, punctuation dropped, spaces to hyphens."""
+    text = re.sub(r"[`*_]", "", heading).strip().lower()
+    return re.sub(r"[^\w\- ]", "", text).replace(" ", "-")
+
+
 RUNNABLE = [p for p in PAGES if any(not is_fragment(code) for _, code in python_blocks(p))]
+BLOCKS = [(page, line, code) for page in PAGES for line, code in python_blocks(page)]
 
 
 def _page_param(page: Path):
-    marks = [pytest.mark.slow] if SMOLLM2_FILE in page.read_text() else []
+    marks = [pytest.mark.slow, pytest.mark.long] if loads_embedded_model(page) else []
     return pytest.param(page, id=str(page.relative_to(REPO)), marks=marks)
 
 
@@ -46,16 +65,68 @@ def test_docs_have_python_blocks_and_few_fragments():
     """The pages the reader starts from carry code that runs; fragments stay the exception."""
     names = {p.relative_to(REPO).as_posix() for p in RUNNABLE}
     assert {"docs/quickstart.md", "docs/api.md"} <= names
-    fragments = [(p.name, line) for p in PAGES for line, code in python_blocks(p) if is_fragment(code)]
-    runnable = [(p.name, line) for p in PAGES for line, code in python_blocks(p) if not is_fragment(code)]
+    fragments = [(p.name, line) for p, line, code in BLOCKS if is_fragment(code)]
+    runnable = [(p.name, line) for p, line, code in BLOCKS if not is_fragment(code)]
     assert len(fragments) <= 2 and len(fragments) < len(runnable), fragments
 
 
-def test_fragments_are_valid_python():
+def test_every_python_block_is_valid_python():
+    for page, line, code in BLOCKS:
+        compile(code, f"{page.relative_to(REPO)}:{line}", "exec")
+
+
+def test_relay_hf_names_the_blocks_use_exist():
+    """``relay_hf.X`` and ``from relay_hf... import X`` in any block (fragments too) name what the package has: a
+    renamed function fails here in the default run, not only when the page's blocks run."""
+    used = []
+    for page, line, code in BLOCKS:
+        where = f"{page.relative_to(REPO)}:{line}"
+        for node in ast.walk(ast.parse(code)):
+            if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id == "relay_hf":
+                used.append((where, "relay_hf", node.attr))
+            elif isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] == "relay_hf":
+                used += [(where, node.module, alias.name) for alias in node.names]
+    assert used, "no block uses relay_hf"
+    missing = []
+    for where, module, name in used:
+        try:
+            found = hasattr(__import__(module, fromlist=[name]), name)
+        except ImportError:
+            found = False
+        if not found:
+            missing.append(f"{where}: {module}.{name}")
+    assert not missing, missing
+
+
+def test_repository_paths_the_blocks_name_exist():
+    """String literals of the runnable blocks that name a file of the repository (``"examples/system_prompt.md"``)
+    point at one that exists."""
+    named = [(page, line, node.value) for page, line, code in BLOCKS if not is_fragment(code)
+             for node in ast.walk(ast.parse(code))
+             if isinstance(node, ast.Constant) and isinstance(node.value, str)
+             and re.fullmatch(r"[\w.\-]+(/[\w.\-]+)+\.\w+", node.value)]
+    assert any(path == "examples/system_prompt.md" for _, _, path in named)
+    missing = [f"{page.relative_to(REPO)}:{line}: {path}" for page, line, path in named if not (REPO / path).exists()]
+    assert not missing, missing
+
+
+def test_relative_links_resolve():
+    """Every link of the pages to a file of the repository (and to a heading of a page, ``page.md#heading``)
+    resolves; links inside code blocks are not links."""
+    broken, checked = [], 0
     for page in PAGES:
-        for line, code in python_blocks(page):
-            if is_fragment(code):
-                compile(code, f"{page}:{line}", "exec")
+        for target in LINK.findall(FENCE.sub("", page.read_text())):
+            if re.match(r"[a-z]+:", target):  # https:, mailto:
+                continue
+            path, _, fragment = target.partition("#")
+            file = (page.parent / path).resolve() if path else page
+            checked += 1
+            if not file.exists():
+                broken.append(f"{page.relative_to(REPO)}: {target}")
+            elif fragment and file.suffix == ".md" and fragment not in map(anchor, HEADING.findall(
+                    FENCE.sub("", file.read_text()))):
+                broken.append(f"{page.relative_to(REPO)}: {target} (no such heading)")
+    assert checked > 10 and not broken, broken
 
 
 @pytest.fixture
@@ -82,7 +153,7 @@ def smollm2_from_pretrained(request, monkeypatch):
 @pytest.mark.parametrize("page", [_page_param(p) for p in RUNNABLE])
 def test_page_python_blocks_run_as_written(page, request, monkeypatch):
     monkeypatch.chdir(REPO)
-    if SMOLLM2_FILE in page.read_text():
+    if loads_embedded_model(page):
         request.getfixturevalue("smollm2_from_pretrained")
     namespace = {"__name__": f"docs_{page.stem}"}
     for line, code in python_blocks(page):

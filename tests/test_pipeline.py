@@ -371,7 +371,7 @@ def test_chats_bring_their_own_system_prompts(smollm2, relay_pipe, prompts):
     (lambda pipe, s: pipe(chats(s[0], QS[:1])[0], system_prompt=s[1:2]), "list of inputs"),
     (lambda pipe, s: pipe(chats(s[0], QS[:2]), system_prompt=s[1:3]), "its own system message"),
     (lambda pipe, s: pipe(QS[:2], system_prompt=[s[0], 3]), "must be a string or None"),
-    (lambda pipe, s: pipe((q for q in QS[:2]), system_prompt=s[0]), "generators and datasets"),
+    (lambda pipe, s: pipe({"not": "an input"}, system_prompt=s[0]), "not a dict"),
 ])
 def test_bad_system_prompts_are_refused_by_name_and_the_pipeline_stays_usable(relay_pipe, prompts, stock_answers,
                                                                               call, match):

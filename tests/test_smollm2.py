@@ -45,6 +45,13 @@ def render(tokenizer, system_prompt, question):
 
 @pytest.mark.slow
 def test_patched_batch_equals_stock_per_row(smollm2, system_prompt):
+    """The quick check of the default run: the shortest question and the two longest (the most padding), 16 tokens."""
+    check_parity(*smollm2, system_prompt, [QUESTIONS[2], QUESTIONS[3], QUESTIONS[5]], new_tokens=16)
+
+
+@pytest.mark.slow
+@pytest.mark.long
+def test_patched_batch_equals_stock_per_row_all_questions(smollm2, system_prompt):
     check_parity(*smollm2, system_prompt)
 
 
@@ -63,29 +70,29 @@ def test_patched_batch_equals_stock_per_row_on_gpu(smollm2, system_prompt, relay
         model.cpu()
 
 
-def check_parity(model, tokenizer, system_prompt):
+def check_parity(model, tokenizer, system_prompt, questions=QUESTIONS, new_tokens=32):
     device = model.device
-    texts = [render(tokenizer, system_prompt, q) for q in QUESTIONS]
+    texts = [render(tokenizer, system_prompt, q) for q in questions]
     system_len = len(tokenizer(render(tokenizer, system_prompt, "")[:-len("<|im_start|>user\n<|im_end|>\n"
                                                                            "<|im_start|>assistant\n")])["input_ids"])
     assert system_len >= 300
     stock = []
     for text in texts:  # stock, one row at a time, no padding
         enc = tokenizer(text, return_tensors="pt").to(device)
-        out = model.generate(**enc, max_new_tokens=32, do_sample=False)
+        out = model.generate(**enc, max_new_tokens=new_tokens, do_sample=False)
         stock.append(out[0, enc["input_ids"].shape[1]:])
     batch = tokenizer(texts, return_tensors="pt", padding=True).to(device)
-    assert len(set(batch["attention_mask"].sum(1).tolist())) == len(QUESTIONS)  # different lengths, padded
+    assert len(set(batch["attention_mask"].sum(1).tolist())) == len(questions)  # different lengths, padded
     relay_hf.patch(model)
     try:
-        out = model.generate(**batch, max_new_tokens=32, do_sample=False, return_dict_in_generate=True)
+        out = model.generate(**batch, max_new_tokens=new_tokens, do_sample=False, return_dict_in_generate=True)
         decision = model.relay_last_decision
     finally:
         relay_hf.unpatch(model)
-    assert decision.used and decision.rows == len(QUESTIONS)
+    assert decision.used and decision.rows == len(questions)
     T = batch["input_ids"].shape[1]
     assert torch.equal(out.sequences[:, :T], batch["input_ids"])
-    print(f"relay on {device}: prefix {decision.prefix_length} tokens, {len(QUESTIONS)} rows, token-identical checked")
+    print(f"relay on {device}: prefix {decision.prefix_length} tokens, {len(questions)} rows, token-identical checked")
     for row, expected in enumerate(stock):
         got = out.sequences[row, T:T + len(expected)]
         assert torch.equal(got, expected), f"row {row}: {tokenizer.decode(got)!r} != {tokenizer.decode(expected)!r}"
@@ -218,6 +225,7 @@ def bf16_agreement(model, tokenizer, system_prompt, device, new_tokens: int, que
 
 
 @pytest.mark.slow
+@pytest.mark.long  # a rate over 192 forced tokens: fewer would widen the noise the bound has to allow
 def test_bf16_relay_agrees_with_stock_as_well_as_stock_agrees_with_itself(smollm2, system_prompt):
     """bf16 on CPU (the PyTorch relay path): exact in fp32, so in bf16 relay may differ from stock only about as much
     as stock differs from itself under another batch composition. 192 forced tokens: one token is 0.5%, and the two
@@ -260,6 +268,7 @@ def _other_prompts(system_prompt: str) -> tuple[str, str, str]:
 
 
 @pytest.mark.slow
+@pytest.mark.long  # 11 rows of up to ~900 tokens; the tiny-model tests cover grouped prefixes in the default run
 def test_three_system_prompts_a_second_level_and_a_row_with_none_equal_stock(smollm2, system_prompt):
     """One batch under three system prompts of different lengths (2 to 5 rows each), three rows of the first also
     quoting one block of the manual (a second level), and a plain-text row that shares nothing: greedy fp32 tokens

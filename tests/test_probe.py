@@ -1,5 +1,6 @@
 """The patch-time probe: declines what relay cannot reproduce, with a reason, accepts standard attention, and leaves
-the model exactly as it found it."""
+the model exactly as it found it. Deeper models are probed on their first layers (a layer of each kind and one more),
+checked against the whole model's, and at full depth whenever the cut does not accept: the same declines either way."""
 
 from __future__ import annotations
 
@@ -7,11 +8,15 @@ import warnings
 
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
+from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
 import relay_hf
-from relay_hf.cache import ATTN_NAME
+from relay_hf import probe
+from relay_hf.names import ATTN_NAME
+from relay_hf.prefill import trim_window
 from relay_hf.probe import probe_reason
+from tests.helpers import tiny_config
+from tests.helpers import tiny_model as tiny_arch_model
 from tests.helpers import tiny_model_of_type as tiny_model
 from tests.helpers import type_batch as shared_prefix_batch
 
@@ -31,12 +36,45 @@ def on_relay(model):
     return model
 
 
-def llama(**kwargs):
-    config = LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=64, num_hidden_layers=2,
+def llama(layers: int = 2, **kwargs):
+    config = LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=64, num_hidden_layers=layers,
                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256, pad_token_id=0,
                          **kwargs)
     torch.manual_seed(0)
     return LlamaForCausalLM._from_config(config, attn_implementation="sdpa").eval()
+
+
+def deep_model(model_type: str, layers: int):
+    """The tiny random model of ``model_type`` with ``layers`` layers (per-layer config lists repeated)."""
+    config = tiny_config(model_type)
+    config.num_hidden_layers = layers
+    if getattr(config, "layer_types", None):
+        config.layer_types = (list(config.layer_types) * layers)[:layers]
+    torch.manual_seed(0)
+    try:
+        model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
+    except ValueError:  # a class without sdpa
+        model = AutoModelForCausalLM.from_config(config, attn_implementation="eager")
+    return model.eval()
+
+
+def whole_model_reason(model):
+    """What the probe says at full depth, with no cut tried: the verdict every decline must equal."""
+    inputs = probe._probe_inputs(model)
+    with probe._probing(model):
+        return probe._reason(model, inputs, lambda out: probe._last_logits(out, inputs["hidden"]))
+
+
+def completed_calls(modules) -> tuple[list[int], list]:
+    """Forward hooks counting each module's completed forwards: ``(counts, handles)``."""
+    counts = [0] * len(modules)
+
+    def counter(i):
+        def count(module, args, output):
+            counts[i] += 1
+        return count
+
+    return counts, [m.register_forward_hook(counter(i)) for i, m in enumerate(modules)]
 
 
 class PositionsFromTheCache(LlamaForCausalLM):
@@ -48,33 +86,41 @@ class PositionsFromTheCache(LlamaForCausalLM):
         return super().forward(input_ids=input_ids, attention_mask=attention_mask, **kwargs)
 
 
+@pytest.mark.parametrize("layers", [2, 6])
 @pytest.mark.parametrize("model_type,cls,what", [
     ("diffllama", "DiffLlamaForCausalLM", "chunk"),  # splits the values it gets back from the cache
     ("doge", "DogeForCausalLM", "RelayKV"),
     ("jetmoe", "JetMoeForCausalLM", "repeat"),  # repeats the KV heads itself
     ("deepseek_v3", "DeepseekV3ForCausalLM", "RelayKV"),  # MLA: expands the cached latents itself
 ])
-def test_declines_attention_that_does_not_hand_the_kv_to_the_attention_function(model_type, cls, what):
-    reason = probe_reason(on_relay(tiny_model(model_type)))
+def test_declines_attention_that_does_not_hand_the_kv_to_the_attention_function(model_type, cls, what, layers):
+    model = on_relay(deep_model(model_type, layers))
+    reason = probe_reason(model)
     assert reason is not None and reason.startswith(f"{cls}: its attention module does not hand the KV")
     assert what in reason
+    assert reason == whole_model_reason(model)
 
 
+@pytest.mark.parametrize("layers", [2, 6])
 @pytest.mark.parametrize("model_type", ["xlm-roberta", "camembert", "xlm-roberta-xl", "bert"])
-def test_declines_bidirectional_models(model_type):
-    model = tiny_model(model_type)
+def test_declines_bidirectional_models(model_type, layers):
+    model = on_relay(deep_model(model_type, layers))
     assert not model.config.is_decoder  # used as a causal LM without is_decoder: it attends both ways
-    reason = probe_reason(on_relay(model))
+    assert (probe._cut(model) is not None) == (layers > 2)  # six layers: the cut is tried first
+    reason = probe_reason(model)
     assert reason is not None and reason.startswith(type(model).__name__)
     assert "causal" in reason or "differs" in reason
+    assert reason == whole_model_reason(model)
 
 
-def test_declines_a_model_whose_positions_follow_the_layout():
-    model = llama()
+@pytest.mark.parametrize("layers", [2, 6])
+def test_declines_a_model_whose_positions_follow_the_layout(layers):
+    model = llama(layers)
     model.__class__ = PositionsFromTheCache
     reason = probe_reason(on_relay(model))
     assert reason is not None and reason.startswith("PositionsFromTheCache: relay output differs from stock")
     assert "takes no position_ids" in reason
+    assert reason == whole_model_reason(model)
 
 
 def test_declines_with_stocks_error_when_the_plain_forward_fails():
@@ -83,6 +129,93 @@ def test_declines_with_stocks_error_when_the_plain_forward_fails():
     reason = probe_reason(model)
     assert reason == ("LlamaForCausalLM: a plain forward fails under relay's attention implementation "
                       "(RuntimeError: boom)")
+
+
+def test_an_accepted_model_is_probed_on_its_first_two_layers_without_the_vocabulary_projection():
+    """Six layers of one kind: the probe runs layers 0 and 1 only (layer 2 begins once, in the whole model's stock
+    prompt, where the faithfulness check stops it), and the output embedding is handed no positions."""
+    model = on_relay(llama(6))
+    counts, handles = completed_calls(list(model.model.layers))
+    head_rows = []
+    handles.append(model.lm_head.register_forward_hook(lambda module, args, out: head_rows.append(out.shape[-2])))
+    assert probe._cut(model)[1] == 2
+    assert probe_reason(model) is None
+    for handle in handles:
+        handle.remove()
+    assert counts[0] > 0 and counts[1] > 0 and counts[2:] == [0, 0, 0, 0]
+    assert head_rows and set(head_rows) == {0}
+
+
+def test_the_cut_keeps_the_first_layer_of_every_kind_and_the_one_after():
+    """A layer whose type (the config's ``layer_types``) or whose modules' settings differ is a kind of its own:
+    the cut runs to the layer after the first one of the last kind to appear, so a later layer relay cannot serve is
+    still probed."""
+    assert probe._cut(on_relay(llama(8)))[1] == 2
+    qwen2 = deep_model("qwen2", 8)
+    qwen2.config.use_sliding_window, qwen2.config.sliding_window, qwen2.config.max_window_layers = True, 8, 3
+    qwen2.config.layer_types = ["full_attention"] * 3 + ["sliding_attention"] * 5
+    qwen2 = AutoModelForCausalLM.from_config(qwen2.config, attn_implementation="sdpa").eval()
+    assert probe._cut(on_relay(qwen2))[1] == 5
+    assert probe_reason(qwen2) is None
+
+    model = on_relay(llama(8))
+    model.model.layers[3].self_attn.is_causal = False  # one layer attends both ways: relay must refuse it
+    assert probe._cut(model)[1] == 5
+    reason = probe_reason(model)
+    assert reason is not None and "relay attention is causal" in reason
+    assert reason == whole_model_reason(model)
+
+
+def test_a_cut_that_changes_the_computation_is_not_trusted():
+    """A model whose first layer reads the config's layer count computes differently with fewer layers: the
+    faithfulness check refuses the cut and the whole model is probed (and accepted: stock and relay agree there)."""
+    model = on_relay(llama(6))
+    model.model.layers[0].register_forward_hook(lambda module, args, out: out * (6 / model.config.num_hidden_layers))
+    inputs = probe._probe_inputs(model)
+    with probe._probing(model):
+        assert not probe._accepted_on_first_layers(model, inputs, *probe._cut(model))
+    counts, handles = completed_calls(list(model.model.layers))
+    assert probe_reason(model) is None
+    for handle in handles:
+        handle.remove()
+    assert min(counts) > 0  # every layer ran: the whole model decided
+
+
+def test_a_small_sliding_window_is_probed_past():
+    """A window of 8 tokens: the prefix runs past it and relay stores it trimmed to the window, and an attention
+    module that fails only once its cache holds more than the window is declined, first on the decode step over the
+    model's own sliding-window cache (stock ``generate``'s road past the window). With the window above
+    ``MAX_WINDOW`` the probe stays short of it and does not see the failure."""
+    model = on_relay(tiny_arch_model("qwen2", use_sliding_window=True, sliding_window=8, max_window_layers=0))
+    inputs = probe._probe_inputs(model)
+    n_prefix = inputs["prefix"].numel()
+    assert n_prefix > 8 and trim_window(8, [n_prefix]) == 8 and inputs["ids"].shape[1] > 8
+    windows = []
+    build = relay_hf.RelayCache.from_prefix.__func__
+
+    def from_prefix(cls, model, prefix_ids):
+        cache = build(cls, model, prefix_ids)
+        windows.extend(lay.window for lay in cache.layers)
+        return cache
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(relay_hf.RelayCache, "from_prefix", classmethod(from_prefix))
+        assert probe_reason(model) is None
+    assert windows and set(windows) == {8}
+
+    def fails_past_the_window(module, args, kwargs):
+        cache = next((kwargs[k] for k in ("cache", "past_key_values", "past_key_value") if k in kwargs), None)
+        if cache is not None and cache.get_seq_length() > 8:
+            raise RuntimeError("past the window")
+
+    model.model.layers[0].self_attn.register_forward_pre_hook(fails_past_the_window, with_kwargs=True)
+    reason = probe_reason(model)
+    assert reason == ("Qwen2ForCausalLM: a plain forward fails under relay's attention implementation "
+                      "(RuntimeError: past the window)")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(probe, "MAX_WINDOW", 4)
+        assert probe._probe_inputs(model)["prefix"].numel() == probe.PROBE_PREFIX
+        assert probe_reason(model) is None
 
 
 @pytest.mark.parametrize("model_type", ["llama", "qwen2", "mistral", "qwen3", "gemma3_text"])
@@ -148,6 +281,33 @@ def test_the_model_comes_back_exactly_as_it_was():
         assert p is params[name][0] and torch.equal(p, params[name][1]) and p.grad is None
     assert {name: b for name, b in model.named_buffers()} == buffers
     assert not hasattr(model.model, "stashed")
+
+
+def test_the_cut_model_comes_back_whole_with_no_hooks_left():
+    """After a probe on the first layers: the same layer list holding the same layers, the config's layer count, and
+    no hook left of those transformers installs for ``output_hidden_states`` (a 16-bit model asks for them): a later
+    forward reports each layer's hidden state once."""
+    model = on_relay(llama(6).to(torch.bfloat16))
+    layers, modules = model.model.layers, list(model.model.layers)
+    hooks = {name: (len(m._forward_hooks), len(m._forward_pre_hooks)) for name, m in model.named_modules()}
+    config = dict(vars(model.config))
+    assert probe._cut(model) is not None
+    assert probe_reason(model) is None
+    assert model.model.layers is layers and list(layers) == modules and vars(model.config) == config
+    assert model.config.num_hidden_layers == 6
+    assert {name: (len(m._forward_hooks), len(m._forward_pre_hooks)) for name, m in model.named_modules()} == hooks
+    with torch.no_grad():
+        out = model(torch.tensor([[5, 6, 7]]), output_hidden_states=True)
+    assert len(out.hidden_states) == 7
+
+
+def test_the_probe_runs_on_one_thread_on_the_cpu_and_puts_the_count_back():
+    model = on_relay(llama(6))
+    seen = []
+    model.model.layers[0].register_forward_hook(lambda module, args, out: seen.append(torch.get_num_threads()))
+    torch.set_num_threads(2)
+    assert probe_reason(model) is None
+    assert seen and set(seen) == {1} and torch.get_num_threads() == 2
 
 
 def test_patch_declines_with_the_probes_reason_and_stays_stock():

@@ -37,7 +37,8 @@ def _weights_signature(model: torch.nn.Module) -> tuple:
             flat = t.detach().reshape(-1)
             samples.setdefault((str(t.device), t.dtype), []).extend(
                 flat[i:i + 1] for i in (0, n // 2, n - 1)[:_SAMPLES])  # views: no copy until the one cat
-    values = tuple((key, tuple(torch.cat(parts).cpu().tolist())) for key, parts in sorted(samples.items(), key=str))
+    ordered = sorted(samples.items(), key=lambda item: str(item[0]))  # by (device, dtype): never print a tensor
+    values = tuple((key, tuple(torch.cat(parts).cpu().tolist())) for key, parts in ordered)
     return tuple(meta), values
 
 

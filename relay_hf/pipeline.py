@@ -82,14 +82,13 @@ class RelayTextGenerationPipeline(TextGenerationPipeline):
 
     def __init__(self, model, tokenizer=None, *args, system_prompt: str | None = None,
                  prefix_cache_bytes: int = DEFAULT_PREFIX_CACHE_BYTES, **kwargs):
-        if isinstance(prefix_cache_bytes, bool) or not isinstance(prefix_cache_bytes, int) or prefix_cache_bytes < 0:
-            raise ValueError(f"prefix_cache_bytes must be a non-negative int, got {prefix_cache_bytes!r}")
         if system_prompt is not None and not isinstance(system_prompt, str):
             raise ValueError("a pipeline's system_prompt is one string (a list per input goes with the call)")
+        # rendered prefix ids -> prefilled RelayCache (one prefill per prompt however many threads call); built
+        # first, so a bad budget is refused before the model is touched
+        self._store = PrefixStore(prefix_cache_bytes, _nbytes)
         super().__init__(model, _left_padding_tokenizer(tokenizer), *args, **kwargs)
         self._system_prompt = system_prompt
-        # rendered prefix ids -> prefilled RelayCache (one prefill per prompt however many threads call)
-        self._store = PrefixStore(prefix_cache_bytes, _nbytes)
         self._lock = threading.RLock()
         release = hold_patch(self.model)
         self._finalizer = weakref.finalize(self, release) if release is not None else None
@@ -100,21 +99,21 @@ class RelayTextGenerationPipeline(TextGenerationPipeline):
     def system_prompt(self) -> str | None:
         return self._system_prompt
 
-    @property
-    def prefix_cache_bytes(self) -> int:
-        """Bytes of prefilled system prompts kept between calls."""
-        return self._store.budget_bytes
-
-    @prefix_cache_bytes.setter
-    def prefix_cache_bytes(self, value: int) -> None:
-        self._store.budget_bytes = PrefixStore(value, _nbytes).budget_bytes  # validated as at construction
-        self._store.trim()
-
     @system_prompt.setter
     def system_prompt(self, value: str | None) -> None:
         if value is not None and not isinstance(value, str):
             raise ValueError("a pipeline's system_prompt is one string (a list per input goes with the call)")
         self._system_prompt = value
+
+    @property
+    def prefix_cache_bytes(self) -> int:
+        """Bytes of prefilled system prompts kept between calls (validated, and the store trimmed, when set)."""
+        return self._store.budget_bytes
+
+    @prefix_cache_bytes.setter
+    def prefix_cache_bytes(self, value: int) -> None:
+        self._store.budget_bytes = value
+        self._store.trim()
 
     def close(self) -> None:
         """Drop the prefilled system prompts and let go of the patch this pipeline applied (see the class docstring);

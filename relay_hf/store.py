@@ -76,8 +76,6 @@ class PrefixStore:
     """
 
     def __init__(self, budget_bytes: int, nbytes: Callable[[object], int]):
-        if isinstance(budget_bytes, bool) or not isinstance(budget_bytes, int) or budget_bytes < 0:
-            raise ValueError(f"the prefix store's budget must be a non-negative int of bytes, got {budget_bytes!r}")
         self.budget_bytes = budget_bytes
         self._nbytes = nbytes
         self._entries: OrderedDict[Hashable, tuple[object, int]] = OrderedDict()  # key -> (value, bytes); LRU first
@@ -86,6 +84,18 @@ class PrefixStore:
         self._lock = threading.RLock()
         self._packed: tuple[tuple, object] | None = None  # (the entries packed, by identity; their packing)
         self.hits = self.misses = 0
+
+    @property
+    def budget_bytes(self) -> int:
+        return self._budget
+
+    @budget_bytes.setter
+    def budget_bytes(self, value: int) -> None:
+        """A new budget; entries beyond it go at the next ``trim``."""
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise ValueError(f"prefix_cache_bytes (the prefix store's budget) must be a non-negative int of bytes, "
+                             f"got {value!r}")
+        self._budget = value
 
     def get(self, key: Hashable, depends: object, build: Callable[[], object]) -> object:
         """The value kept for ``key``, or ``build()``'s (then kept). Entries built under other ``depends`` than
@@ -144,7 +154,7 @@ class PrefixStore:
             keep = set(keep) | set(self._held)
             held = self.nbytes()
             for key in list(self._entries):
-                if held <= self.budget_bytes:
+                if held <= self._budget:
                     break
                 if key not in keep:
                     held -= self._entries.pop(key)[1]

@@ -66,6 +66,9 @@ def test_a_zero_budget_keeps_nothing_between_calls_and_bad_budgets_are_refused()
     for bad in (-1, 1.5, True, "1"):
         with pytest.raises(ValueError, match="budget"):
             PrefixStore(bad, len)
+        with pytest.raises(ValueError, match="prefix_cache_bytes"):
+            store.budget_bytes = bad
+    assert store.budget_bytes == 0  # a refused budget leaves the one set
 
 
 def test_threads_asking_for_one_key_build_it_once():

@@ -12,11 +12,12 @@ from .kernels import relay_attention
 from .patch import is_patched, patch, unpatch
 from .pipeline import pipeline
 from .policy import RelayDecision
+from .stats import RelayStats, stats
 
 try:
     __version__ = version("relay_hf")
 except PackageNotFoundError:  # pragma: no cover - running from a source tree that was never installed
     __version__ = "0+unknown"
 
-__all__ = ["RelayCache", "RelayDecision", "RelayFallbackWarning", "is_patched", "patch", "pipeline",
-           "relay_attention", "unpatch"]
+__all__ = ["RelayCache", "RelayDecision", "RelayFallbackWarning", "RelayStats", "is_patched", "patch", "pipeline",
+           "relay_attention", "stats", "unpatch"]

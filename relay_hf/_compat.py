@@ -115,3 +115,41 @@ def pipeline_chat(messages: list):
     from transformers.utils.chat_template_utils import Chat
 
     return Chat(messages)
+
+
+# -- continuous batching ---------------------------------------------------------------------------------------------
+def paged_attention_name() -> str:
+    """The name continuous batching accepts for relay attention: ``paged|relay`` where transformers registers paged
+    implementations under ``paged|`` names of their own (5.17), else a name that says "flash" (newer versions accept
+    no other custom name; such a name builds no mask, which relay's paged attention does not need)."""
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    from .names import PAGED_NAMES
+
+    return PAGED_NAMES[0] if "paged|sdpa" in ALL_ATTENTION_FUNCTIONS._global_mapping else PAGED_NAMES[1]
+
+
+def set_config_attn(config, name: str) -> None:
+    """Select ``name`` on ``config`` directly (``set_attn_implementation`` refuses a flash-like name it cannot
+    import a kernel for)."""
+    config._attn_implementation = name
+
+
+def restore_attn_on_stop(manager, name: str) -> None:
+    """Make a continuous-batching manager switch the model back to ``name`` when it stops, as it does for a switch
+    of its own (it restores only what it records: the name it found, which was relay_hf's temporary one)."""
+    manager._original_attn_impl = name
+
+
+def paged_update(cache, module, key, value, kwargs: dict):
+    """Write this step's KV into transformers 5.17's paged cache and read back what ``read_index`` lists (in 5.17 the
+    attention function does this; newer versions do it in the attention layer). ``[1, H_kv, N, D]`` each."""
+    key, value = cache.update(key_states=key, value_states=value, layer_idx=module.layer_idx,
+                              read_index=kwargs["read_index"], write_index=kwargs["write_index"])
+    return key.transpose(0, 1).unsqueeze(0), value.transpose(0, 1).unsqueeze(0)
+
+
+def is_paged_cache(obj) -> bool:
+    from transformers.generation.continuous_batching.cache import PagedAttentionCache
+
+    return isinstance(obj, PagedAttentionCache)

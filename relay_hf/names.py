@@ -12,3 +12,13 @@ STOCK_OF = {relay: stock for stock, relay in RELAY_NAMES.items()}
 def is_relay_name(name: str | None) -> bool:
     """Whether ``name`` is one of the attention implementations relay_hf registers."""
     return name in STOCK_OF
+
+# Continuous batching accepts few names: transformers 5.17 any ``paged|<name>`` it finds registered, newer versions
+# only ``sdpa``, ``paged|eager`` and names that say "flash" (with no 2 or 3 after it: those take flash's decode path).
+# A patched model runs under one of these while a continuous-batching manager serves it (``continuous.py``).
+PAGED_NAMES = ("paged|relay", "relay_paged_flash")
+
+
+def is_paged_name(name: str | None) -> bool:
+    """Whether ``name`` is the implementation a patched model runs continuous batching under."""
+    return name in PAGED_NAMES

@@ -15,6 +15,7 @@ import torch
 
 from . import attention
 from ._compat import attn_implementation, can_set_attn_implementation
+from .continuous import RelayContinuousBatching
 from .generate import RelayFallbackWarning, RelayGenerate
 from .names import is_relay_name
 from .policy import DECODE_MODES
@@ -128,6 +129,8 @@ def patch(model, *, min_prefix_length: int = DEFAULT_MIN_PREFIX_LENGTH, decode: 
     model._relay_state = RelayState(original, min_prefix_length, reason, decode)
     model.relay_last_decision = None
     model.generate = RelayGenerate(model)
+    if reason is None:  # a declined model's continuous batching is stock's, untouched
+        model.init_continuous_batching = RelayContinuousBatching(model)
     return model
 
 
@@ -139,6 +142,10 @@ def unpatch(model):
         return model
     model.__dict__.pop("generate", None)
     model.__dict__.pop("relay_last_decision", None)
+    model.__dict__.pop("relay_continuous_reason", None)
+    continuous = model.__dict__.pop("init_continuous_batching", None)
+    if continuous is not None:
+        continuous.remove_hook()
     if state.declined is None:
         _switch_back(model, state.original_attn)
     return model

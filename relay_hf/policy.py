@@ -164,6 +164,32 @@ def model_reason(model) -> str | None:
     return None
 
 
+def continuous_reason(model, cb_config) -> str | None:
+    """Why a continuous-batching manager of ``model`` (``generate_batch``, ``init_continuous_batching``, a server)
+    must run stock continuous batching, or ``None``: relay serves its steps (``paged.py``). ``cb_config``: the
+    ``ContinuousBatchingConfig`` asked for, or ``None``.
+
+    Relay plans each step on the host from the cache's read index, so a step captured as a CUDA graph or compiled
+    (which replays without the host) runs stock; so do models with sliding-window layers (transformers shares no
+    blocks there) and training mode."""
+    why = model_reason(model)
+    if why is not None:
+        return why
+    if model.training:
+        return TRAINING
+    text = model.config.get_text_config(decoder=True)
+    windowed = getattr(text, "sliding_window", None) is not None and getattr(text, "use_sliding_window", True)
+    if windowed or set(getattr(text, "layer_types", None) or ["full_attention"]) != {"full_attention"}:
+        return "continuous batching shares no blocks of sliding-window layers"
+    graphs = getattr(cb_config, "use_cuda_graph", None)
+    if graphs is True or (isinstance(graphs, tuple) and any(graphs)):
+        return "the continuous batching config asks for CUDA graphs, which replay without relay's per-step plan"
+    if any(getattr(cb_config, name, None) for name in ("varlen_compile_config", "decode_compile_config",
+                                                       "default_compile_level")):
+        return "the continuous batching config asks for a compiled step, which runs without relay's per-step plan"
+    return None
+
+
 def keep_reason(model) -> str | None:
     """Why no prefix may be prefilled now and kept for later calls (a pipeline's system prompts), or ``None``: relay
     cannot serve the model (``model_reason``), or it is in training mode (its prefill would run dropout, and the

@@ -10,6 +10,8 @@ from __future__ import annotations
 import threading
 from dataclasses import dataclass, field
 
+from .stats import Counters
+
 
 @dataclass(eq=False)
 class StaticSlot:
@@ -36,6 +38,7 @@ class RelayState:
     min_prefix_length: int
     declined: str | None
     decode: str = "auto"
+    counters: Counters = field(default_factory=Counters, repr=False)  # ``relay_hf.stats``
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
     _idle: list = field(default_factory=list, repr=False)
     MAX_IDLE = 2
@@ -61,9 +64,20 @@ class RelayState:
         """The most recent idle slot, for inspection (tests, benchmarks); do not use it while a call may run."""
         return self._idle[0] if self._idle else None
 
+    def idle_slots(self) -> tuple[StaticSlot, ...]:
+        """Every idle slot, most recent first (at most ``MAX_IDLE``): a snapshot for inspection (tests, benchmarks)."""
+        with self._lock:
+            return tuple(self._idle)
+
     def __getstate__(self):  # pickling / deepcopy of a patched model: settings only, no lock, no buffers or graphs
         return {"original_attn": self.original_attn, "min_prefix_length": self.min_prefix_length,
                 "declined": self.declined, "decode": self.decode}
 
     def __setstate__(self, state):
         self.__init__(**state)
+
+
+def relay_state(model) -> RelayState | None:
+    """The ``RelayState`` that ``relay_hf.patch`` keeps on ``model`` (in its ``_relay_state`` attribute), or ``None``
+    for a model it has not patched (or anything that is not a model): what tests and benchmarks inspect."""
+    return getattr(model, "__dict__", {}).get("_relay_state")

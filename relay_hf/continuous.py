@@ -1,0 +1,160 @@
+"""Relay inside transformers' continuous batching: the glue between a patched model and its managers.
+
+``patch`` shadows the instance's ``init_continuous_batching`` (which ``generate_batch``, the context manager and
+``transformers serve`` all call) with ``RelayContinuousBatching``: it asks ``policy.continuous_reason`` whether relay
+serves, and switches the model to the name continuous batching accepts for relay (``_compat.paged_attention_name``),
+or, where relay cannot serve, to the model's own implementation: stock continuous batching, unchanged. The manager
+switches the model back to relay when it stops.
+
+Per step, a forward pre-hook (``plan_step``) plans the step on the host from the cache's read index
+(``paged.plan_paged_step``: each shared run of blocks read once) and hands the plan to every layer as the keyword
+``relay_plan``; ``relay_paged_attention_forward`` runs it.
+"""
+
+from __future__ import annotations
+
+import copy
+import threading
+
+import torch
+from transformers import AttentionInterface
+
+from ._compat import (
+    attn_implementation,
+    is_paged_cache,
+    paged_attention_name,
+    paged_update,
+    restore_attn_on_stop,
+    set_config_attn,
+)
+from .attention import relay_attention_forward, relay_name, stock_implementation
+from .names import PAGED_NAMES, is_paged_name, is_relay_name
+from .paged import paged_relay_attention, plan_paged_step
+from .policy import continuous_reason
+from .stats import kv_bytes_per_token
+
+_SWITCH_LOCK = threading.Lock()
+
+
+def relay_paged_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
+                                  value: torch.Tensor, attention_mask, dropout: float = 0.0,
+                                  scaling: float | None = None, sliding_window: int | None = None, **kwargs):
+    """``AttentionInterface`` entry under the continuous-batching names.
+
+    Args:
+        query: ``[1, H_q, T, D]`` the step's packed queries.
+        key, value: ``[1, H_kv, N, D]``: the KV the paged cache gathered through the plan's read index (or, in
+            transformers 5.17, this step's new KV, which this function writes and gathers itself through ``cache``).
+        kwargs: ``relay_plan`` (``paged.PagedPlan``) from ``plan_step``; without it (a forward outside continuous
+            batching) this is ``relay_attention_forward``.
+
+    Returns:
+        ``([1, T, H_q, D_v], None)``.
+    """
+    plan = kwargs.get("relay_plan")
+    if plan is None:
+        return relay_attention_forward(module, query, key, value, attention_mask, dropout, scaling, sliding_window,
+                                       **kwargs)
+    if dropout:
+        raise ValueError("relay attention does not implement attention dropout; call model.eval()")
+    cache = kwargs.get("cache")
+    if is_paged_cache(cache):
+        key, value = paged_update(cache, module, key, value, kwargs)
+    out = paged_relay_attention(query, key, value, plan, scale=scaling, softcap=kwargs.get("softcap"),
+                                sinks=kwargs.get("s_aux", kwargs.get("sinks")))
+    return out, None
+
+
+def plan_step(model, args, kwargs):
+    """Forward pre-hook of a patched model: on a continuous-batching step under relay's name, plan the step, rewrite
+    the read index the cache gathers through, and pass the plan to the layers (``relay_plan``)."""
+    read = kwargs.get("read_index")
+    if read is None or "relay_plan" in kwargs or not is_paged_name(attn_implementation(model.config)):
+        return None
+    if len(read) != 1:
+        raise ValueError(f"relay's continuous batching serves one attention type, this step reads {len(read)}")
+    cu_q = kwargs["cu_seq_lens_q"].tolist()
+    cu_k = kwargs["cu_seq_lens_k"]
+    cu_k = (next(iter(cu_k.values())) if isinstance(cu_k, dict) else cu_k).tolist()
+    state = model._relay_state
+    plan = plan_paged_step(read[0], cu_q[:len(cu_k)], cu_k, max(1, state.min_prefix_length), read[0].device)
+    if plan.shared_tokens:
+        rows = sum(b.rows for b in plan.blocks)
+        state.counters.add(relay_steps=1, relay_rows=rows,
+                           kv_bytes_not_reread=plan.shared_tokens * kv_bytes_per_token(model))
+    kwargs = dict(kwargs, relay_plan=plan)
+    if plan.read_index is not None:
+        kwargs["read_index"] = [plan.read_index]
+    return args, kwargs
+
+
+def _configs(model) -> list:
+    seen = {id(model.config): model.config}
+    for module in model.modules():
+        config = getattr(module, "config", None)
+        if config is not None and attn_implementation(config) is not None:
+            seen.setdefault(id(config), config)
+    return list(seen.values())
+
+
+def _without_graphs(cb_config):
+    """A copy of the caller's ``ContinuousBatchingConfig`` (or a default one) with CUDA graphs off: relay plans each
+    step on the host (``policy.continuous_reason`` runs stock where the caller asked for graphs)."""
+    from transformers import ContinuousBatchingConfig
+
+    cb_config = ContinuousBatchingConfig() if cb_config is None else copy.copy(cb_config)
+    cb_config.use_cuda_graph = False
+    return cb_config
+
+
+class RelayContinuousBatching:
+    """The ``init_continuous_batching`` of one patched model instance (a callable object, as ``RelayGenerate``).
+
+    Relay serves (``policy.continuous_reason``): the model runs the continuous-batching relay name while the manager
+    lives, CUDA graphs off in a copy of the caller's config (relay plans every step on the host). Otherwise the model
+    runs its own implementation while the manager lives: stock continuous batching, unchanged. Either way the
+    manager restores the relay implementation when it stops. ``model.relay_last_decision`` is not touched: a
+    manager serves many calls; ``relay_hf.stats`` counts its relay steps.
+    """
+
+    def __init__(self, model):
+        self.__self__ = model
+        self._hook = model.register_forward_pre_hook(plan_step, with_kwargs=True)
+
+    def remove_hook(self) -> None:
+        self._hook.remove()
+
+    def __call__(self, generation_config=None, continuous_batching_config=None, *args, **kwargs):
+        model = self.__self__
+        init = type(model).init_continuous_batching
+        with _SWITCH_LOCK:
+            current = attn_implementation(model.config)
+            if not (is_relay_name(current) or is_paged_name(current)):  # declined, or switched away by the user
+                return init(model, generation_config, continuous_batching_config, *args, **kwargs)
+            relay = current if is_relay_name(current) else relay_name(model._relay_state.original_attn)
+            why = None if is_paged_name(current) else continuous_reason(model, continuous_batching_config)
+            model.relay_continuous_reason = why
+            if why is None:
+                continuous_batching_config = _without_graphs(continuous_batching_config)
+                for config in _configs(model):
+                    set_config_attn(config, paged_attention_name())
+            else:
+                model.set_attn_implementation(stock_implementation(model.config))
+        try:
+            manager = init(model, generation_config, continuous_batching_config, *args, **kwargs)
+        except BaseException:
+            model.set_attn_implementation(relay)
+            raise
+        restore_attn_on_stop(manager, relay)
+        return manager
+
+    def __reduce__(self):  # the hook travels with the model's own state: a copy gets a new one
+        return RelayContinuousBatching, (self.__self__,)
+
+
+def register() -> None:
+    for name in PAGED_NAMES:
+        AttentionInterface.register(name, relay_paged_attention_forward)
+
+
+register()

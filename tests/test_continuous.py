@@ -1,0 +1,160 @@
+"""relay_hf.continuous: transformers' continuous batching on a patched model gives stock continuous batching's tokens,
+reads shared blocks once per step where requests share them (``relay_hf.stats``), and runs stock where relay cannot
+serve."""
+
+import time
+
+import pytest
+import torch
+from transformers import ContinuousBatchingConfig, GenerationConfig
+
+import relay_hf
+from tests.helpers import VOCAB, tiny_model
+
+PAGE = 16
+_FIELDS = ContinuousBatchingConfig.__dataclass_fields__
+# transformers 5.17 calls the page a block
+_PAGE_KW = {"page_size": PAGE} if _FIELDS.get("page_size") and _FIELDS["page_size"].default is not None else {
+    "block_size": PAGE}
+
+
+def cb_config(**kw):
+    """Small, explicit sizes: without them transformers sizes the paged cache from the machine's memory."""
+    return ContinuousBatchingConfig(num_blocks=256, max_batch_tokens=64, **_PAGE_KW, **kw)
+
+
+def greedy(n=10):
+    return GenerationConfig(max_new_tokens=n, do_sample=False, eos_token_id=2, pad_token_id=0)
+
+
+def _tokens(g, n):
+    return torch.randint(3, VOCAB, (n,), generator=g).tolist()
+
+
+def requests_under(prompts, seed=0, own=(3, 9, 1, 14, 6)):
+    """Per system prompt length in ``prompts``, requests = that prompt + own tokens of the lengths ``own`` (cycled)."""
+    g = torch.Generator().manual_seed(seed)
+    out, k = [], 0
+    for length, rows in prompts:
+        prompt = _tokens(g, length)
+        for _ in range(rows):
+            out.append(prompt + _tokens(g, own[k % len(own)]))
+            k += 1
+    return out
+
+
+def tokens(results, n):
+    return [results[f"req_{i}"].generated_tokens for i in range(n)]
+
+
+@pytest.fixture
+def llama():
+    return tiny_model("llama", seed=3)
+
+
+def stock_then_relay(model, inputs, gen, cbc=None, min_prefix_length=8):
+    stock = tokens(model.generate_batch(inputs, generation_config=gen, continuous_batching_config=cbc or cb_config()),
+                   len(inputs))
+    relay_hf.patch(model, min_prefix_length=min_prefix_length)
+    relay = tokens(model.generate_batch(inputs, generation_config=gen, continuous_batching_config=cbc or cb_config()),
+                   len(inputs))
+    return stock, relay
+
+
+@pytest.mark.parametrize("prompts", [[(48, 6)], [(40, 3), (35, 3), (0, 1)]], ids=["one prompt", "several + none"])
+def test_generate_batch_gives_stock_tokens_and_reads_shared_blocks_once(llama, prompts):
+    inputs = requests_under(prompts)
+    stock, relay = stock_then_relay(llama, inputs, greedy())
+    assert relay == stock and all(len(t) == 10 for t in relay)
+    seen = relay_hf.stats(llama)
+    assert seen.relay_steps > 0 and seen.kv_bytes_not_reread > 0
+    assert llama.config._attn_implementation == "relay"  # the manager switched back when it stopped
+    assert llama.relay_continuous_reason is None
+
+
+def test_a_document_under_a_prompt_is_a_second_shared_level(llama):
+    g = torch.Generator().manual_seed(1)
+    prompt, document = _tokens(g, 32), _tokens(g, 32)
+    inputs = [prompt + document + _tokens(g, n) for n in (2, 5, 9)] + [prompt + _tokens(g, n) for n in (4, 7)]
+    stock, relay = stock_then_relay(llama, inputs, greedy(8))
+    assert relay == stock and relay_hf.stats(llama).relay_steps > 0
+
+
+def test_requests_that_share_nothing_give_stock_tokens_and_count_no_relay_step(llama):
+    inputs = requests_under([(0, 4)], own=(20, 33, 7, 12))
+    stock, relay = stock_then_relay(llama, inputs, greedy())
+    assert relay == stock
+    assert relay_hf.stats(llama).relay_steps == 0 and relay_hf.stats(llama).kv_bytes_not_reread == 0
+
+
+def test_seeded_sampling_gives_stock_tokens(llama):
+    inputs = requests_under([(48, 5)], seed=2)
+    gen = GenerationConfig(max_new_tokens=10, do_sample=True, top_k=20, temperature=0.9, eos_token_id=2,
+                           pad_token_id=0)
+    stock, relay = stock_then_relay(llama, inputs, gen, cb_config(seed=11))
+    assert relay == stock and relay_hf.stats(llama).relay_steps > 0
+
+
+def _stream_until(manager, request_id, n, timeout=60.0):
+    """Wait until ``request_id`` has streamed ``n`` tokens (bounded in time)."""
+    deadline = time.monotonic() + timeout
+    for out in manager.request_id_iter(request_id):
+        if len(out.generated_tokens) >= n or time.monotonic() > deadline:
+            return out
+
+
+def test_requests_added_while_others_decode_and_a_cancelled_one(llama):
+    inputs = requests_under([(48, 4)], seed=4)
+    gen = greedy(24)
+    want = [llama.generate(torch.tensor([p]), generation_config=gen)[0, len(p):].tolist() for p in inputs]
+    relay_hf.patch(llama, min_prefix_length=8)
+    manager = llama.init_continuous_batching(generation_config=gen, continuous_batching_config=cb_config())
+    manager.start()
+    try:
+        first = [manager.add_request(inputs[i], request_id=f"r{i}", streaming=True) for i in (0, 1)]
+        assert len(_stream_until(manager, first[0], 3).generated_tokens) >= 3  # decoding now
+        manager.add_request(inputs[2], request_id="r2")
+        doomed = manager.add_request(inputs[3], request_id="doomed", max_new_tokens=200)
+        manager.cancel_request(doomed)
+        manager.add_request(inputs[3], request_id="r3")
+        got = {}
+        deadline = time.monotonic() + 120
+        while len(got) < 4 and time.monotonic() < deadline:
+            out = manager.get_result(timeout=1)
+            if out is not None and out.is_finished() and out.request_id != doomed:
+                got[out.request_id] = out.generated_tokens
+    finally:
+        manager.stop(block=True, timeout=30)
+    assert [got.get(f"r{i}") for i in range(4)] == want
+    assert relay_hf.stats(llama).relay_steps > 0
+    assert llama.config._attn_implementation == "relay"
+
+
+def test_sliding_window_layers_run_stock_continuous_batching():
+    model = tiny_model("mistral", seed=5, sliding_window=24)
+    inputs = requests_under([(40, 4)], seed=5)
+    stock, relay = stock_then_relay(model, inputs, greedy())
+    assert relay == stock
+    assert "sliding" in model.relay_continuous_reason and relay_hf.stats(model).relay_steps == 0
+    assert model.config._attn_implementation == "relay"
+
+
+def test_a_config_that_asks_for_cuda_graphs_runs_stock_and_is_not_modified(llama):
+    inputs = requests_under([(48, 3)], seed=6)
+    cbc = cb_config(use_cuda_graph=True)
+    stock, relay = stock_then_relay(llama, inputs, greedy(), cbc)
+    assert relay == stock and "CUDA graphs" in llama.relay_continuous_reason
+    assert cbc.use_cuda_graph is True and relay_hf.stats(llama).relay_steps == 0
+
+
+def test_unpatch_leaves_stock_continuous_batching(llama):
+    inputs = requests_under([(48, 3)], seed=7)
+    stock = tokens(llama.generate_batch(inputs, generation_config=greedy(), continuous_batching_config=cb_config()), 3)
+    hooks = len(llama._forward_pre_hooks)
+    relay_hf.patch(llama, min_prefix_length=8)
+    relay_hf.unpatch(llama)
+    assert "init_continuous_batching" not in llama.__dict__ and len(llama._forward_pre_hooks) == hooks
+    again = tokens(llama.generate_batch(inputs, generation_config=greedy(), continuous_batching_config=cb_config()), 3)
+    assert again == stock and llama.config._attn_implementation == "sdpa"
+    with pytest.raises(ValueError, match="patched"):
+        relay_hf.stats(llama)

@@ -26,9 +26,9 @@ from transformers.cache_utils import Cache
 from ._compat import attn_implementation
 from .kernels import pin_tables
 from .kernels.groups import PrefixGroups
-from .layers import RelayLayer, StaticRelayLayer
+from .layers import RelayLayer, StaticRelayLayer, share_groups
 from .names import is_relay_name
-from .prefill import pack_prefixes, prefill_tree
+from .prefill import pack_prefixes, prefill_prefixes, prefill_tree
 from .prefix import PrefixTree
 
 PREFIX_ROUNDING = 256  # a static cache of several prefixes holds their packed positions rounded up to this
@@ -53,8 +53,7 @@ class RelayCache(Cache):
     def __init__(self, config, prefix_kv: list[tuple[torch.Tensor, torch.Tensor]] | None = None,
                  prefix_ids: torch.Tensor | None = None, tree: PrefixTree | None = None,
                  windows: list[int | None] | None = None):
-        text_config = config.get_text_config(decoder=True)
-        n_layers = text_config.num_hidden_layers
+        n_layers = config.get_text_config(decoder=True).num_hidden_layers
         if prefix_kv is not None and len(prefix_kv) != n_layers:
             raise ValueError(f"prefix_kv has {len(prefix_kv)} layers, the model has {n_layers}")
         prefix_kv = prefix_kv or [(None, None)] * n_layers
@@ -75,7 +74,6 @@ class RelayCache(Cache):
 
     # -- construction ----------------------------------------------------------------------------------------------
     @classmethod
-    @torch.no_grad()
     def from_prefix(cls, model, prefix_ids) -> RelayCache:
         """Prefill ``prefix_ids`` once at batch 1 through ``model`` and keep its KV as the shared prefix.
 
@@ -83,10 +81,10 @@ class RelayCache(Cache):
             model: a causal LM (patched or not).
             prefix_ids: ``[P]`` or ``[1, P]`` int token ids (tensor or list), ``1 <= P <= max_position_embeddings``.
         """
-        return cls.from_prefixes(model, [_prefix_ids(prefix_ids, "prefix_ids")])
+        kv, tree, windows = prefill_prefixes(model, [prefix_ids], ["prefix_ids"])
+        return cls(model.config, kv, tree=tree, windows=windows)
 
     @classmethod
-    @torch.no_grad()
     def from_prefixes(cls, model, prefixes) -> RelayCache:
         """Prefill several prefixes once each and keep them, every shared part stored once.
 
@@ -96,13 +94,10 @@ class RelayCache(Cache):
                 prefix that starts with another given one is stored as its continuation (``[system, system +
                 document_a, system + document_b]`` keeps the system prompt once and two documents under it).
         """
-        if isinstance(prefixes, torch.Tensor) or not prefixes:
-            raise ValueError("prefixes must be a non-empty list of token id sequences")
-        tree = PrefixTree.from_prefixes([_prefix_ids(p, f"prefixes[{i}]") for i, p in enumerate(prefixes)])
-        return cls.from_tree(model, tree)
+        kv, tree, windows = prefill_prefixes(model, prefixes)
+        return cls(model.config, kv, tree=tree, windows=windows)
 
     @classmethod
-    @torch.no_grad()
     def from_tree(cls, model, tree: PrefixTree) -> RelayCache:
         """Prefill the segments of ``tree`` (roots at position 0, each child after its parent's KV) at batch 1 and
         pack them (``prefill.prefill_tree``)."""
@@ -113,13 +108,9 @@ class RelayCache(Cache):
     def combine(cls, caches) -> RelayCache:
         """One cache holding the prefixes of several (of one model; packed, so their KV is copied once): how a
         pipeline serves a batch under several system prompts it prefilled in earlier calls."""
-        caches = list(caches)
-        if not caches or any(not isinstance(c, RelayCache) or c.tree is None for c in caches):
-            raise ValueError("combine takes RelayCaches built with from_prefix / from_prefixes")
+        caches = _combinable(list(caches))
         if len(caches) == 1:
             return caches[0]
-        if any(c.config is not caches[0].config for c in caches):
-            raise ValueError("combine takes RelayCaches of one model")
         kv, tree, windows = pack_prefixes([(c.tree, c.layers) for c in caches])
         return cls(caches[0].config, kv, tree=tree, windows=windows)
 
@@ -152,49 +143,25 @@ class RelayCache(Cache):
             paths: per row, the segments of ``tree`` it reads, root first (``PrefixTree.match`` finds them);
                 required when the cache holds several prefixes (and then ``suffix_padding`` too).
         """
-        groups = None
-        if paths is not None:
-            groups = self.groups_for(paths)
-        elif self.tree is not None and len(self.tree.ids) > 1:
+        if paths is None and self.tree is not None and len(self.tree.ids) > 1:
             raise ValueError(f"this RelayCache holds {len(self.tree.ids)} prefixes: fork(paths=...) says which each "
                              "row reads")
+        groups = None if paths is None else self.groups_for(paths)
         if groups is not None and suffix_padding is None:
             raise ValueError("a fork of several prefixes needs suffix_padding (the rows' layout)")
-        kind = RelayCache if max_suffix_length is None else StaticRelayCache
-        fork = kind(self.config, [(lay.prefix_keys, lay.prefix_values) for lay in self.layers], tree=self.tree,
-                    windows=[lay.window for lay in self.layers])
+        if max_suffix_length is not None:
+            return StaticRelayCache.fork_of(self, max_suffix_length, suffix_padding, paths, groups)
+        fork = RelayCache(self.config, [(lay.prefix_keys, lay.prefix_values) for lay in self.layers], tree=self.tree,
+                          windows=[lay.window for lay in self.layers])
         for lay in fork.layers:
             lay.suffix_padding = suffix_padding
-        if max_suffix_length is not None:
-            if self.layers[0].prefix_keys is None or self.prefix_length == 0:
-                raise ValueError("a static RelayCache needs a prefix; build it with RelayCache.from_prefix")
-            # the static fork owns its prefix (a copy), so ``refill`` can overwrite it in place for the next call;
-            # several prefixes are held with room to spare, so the next call's may differ a little
-            fork.layers = [StaticRelayLayer(*_static_prefix(lay, groups), max_suffix_length, suffix_padding,
-                                            window=lay.window, full_lengths=lay.full_lengths) for lay in self.layers]
-            if groups is not None:
-                groups = self.groups_for(paths, _segment_capacity(groups))
         fork._set_groups(groups)
         return fork
 
     def _set_groups(self, groups: PrefixGroups | None) -> dict[int, PrefixGroups | None]:
-        """Hand every layer this call's ``groups`` (trimmed sliding-window layers read them through one shared
-        windowed view per window). Returns the views by window (``0``: the call's groups as they are)."""
+        """Hand every layer this call's ``groups``; the views by window, as ``layers.share_groups`` returns them."""
         self._groups = groups
-        rows = None
-        padding = self.layers[0].suffix_padding if self.layers else None
-        if groups is not None:
-            rows = groups.rows
-        elif padding is not None:
-            rows = padding.shape[0]
-        shared: dict[int, PrefixGroups | None] = {}
-        for lay in self.layers:
-            lay.set_groups(groups)
-            if lay.window is not None and rows is not None:
-                if lay.window not in shared:  # one windowed view per window, shared by its layers
-                    shared[lay.window] = lay.view(rows)
-                lay.set_groups(groups, rows, shared[lay.window])
-        return {0: groups, **shared}  # 0: the layers that read the call's groups as they are
+        return share_groups(self.layers, groups)
 
     @property
     def is_static(self) -> bool:
@@ -227,12 +194,8 @@ class RelayCache(Cache):
 
     def prefix_nbytes(self) -> int:
         """Bytes of storage behind the prefix tensors (counts real storage, so an expanded view would show)."""
-        total = 0
-        for lay in self.layers:
-            for t in (lay.prefix_keys, lay.prefix_values):
-                if t is not None:
-                    total += t.untyped_storage().nbytes()
-        return total
+        return sum(t.untyped_storage().nbytes() for lay in self.layers for t in (lay.prefix_keys, lay.prefix_values)
+                   if t is not None)
 
     # -- the Cache protocol ----------------------------------------------------------------------------------------
     # the rows' groups follow the suffixes, decided once for all layers
@@ -256,7 +219,11 @@ class RelayCache(Cache):
             self._set_groups(self._groups.select(torch.arange(self._groups.rows)[indices.cpu()].tolist()))
 
     def update(self, key_states, value_states, layer_idx: int, *args, **kwargs):
-        return self.layers[layer_idx].update(key_states, value_states, relay=self.relay_active)
+        layer = self.layers[layer_idx]
+        # relay attention reads RelayKV; any other implementation (or a layer with no prefix) gets stock's tensors
+        if self.relay_active and (layer.prefix_keys is not None or layer.is_compileable):
+            return layer.relay_update(key_states, value_states)
+        return layer.update(key_states, value_states)
 
     def get_mask_sizes(self, query_length: int, layer_idx: int) -> tuple[int, int]:
         return self.layers[layer_idx].get_mask_sizes(query_length, relay=self.relay_active)
@@ -279,6 +246,21 @@ class StaticRelayCache(RelayCache):
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self._tables: dict = {}  # window (0: none) -> the pinned tables of that view
+
+    @classmethod
+    def fork_of(cls, base: RelayCache, max_suffix_length: int, suffix_padding: torch.Tensor | None, paths,
+                groups: PrefixGroups | None) -> StaticRelayCache:
+        """``base.fork(max_suffix_length=..., suffix_padding=..., paths=...)``, ``groups`` being ``base``'s groups of
+        ``paths`` (``None``: one prefix for every row)."""
+        if base.layers[0].prefix_keys is None or base.prefix_length == 0:
+            raise ValueError("a static RelayCache needs a prefix; build it with RelayCache.from_prefix")
+        fork = cls(base.config, tree=base.tree)
+        # the static fork owns its prefix (a copy), so ``refill`` can overwrite it in place for the next call;
+        # several prefixes are held with room to spare, so the next call's may differ a little
+        fork.layers = [StaticRelayLayer(*_static_prefix(lay, groups), max_suffix_length, suffix_padding,
+                                        window=lay.window, full_lengths=lay.full_lengths) for lay in base.layers]
+        fork._set_groups(None if groups is None else base.groups_for(paths, _segment_capacity(groups)))
+        return fork
 
     def _set_groups(self, groups: PrefixGroups | None) -> dict[int, PrefixGroups | None]:
         views = super()._set_groups(groups)
@@ -303,7 +285,7 @@ class StaticRelayCache(RelayCache):
         more, up to twice that) without new buffers; with several prefixes, rows reading ``paths`` (as many levels,
         at most the planned segments per level, packed within the room held)."""
         mine = self.layers[0]
-        if not (self.is_static and mine.is_initialized and rows <= mine._kbuf.shape[0] <= (max_rows or rows)
+        if not (self.is_static and mine.is_initialized and rows <= mine.keys.shape[0] <= (max_rows or rows)
                 and max_suffix_length <= mine.max_suffix_length <= 2 * max_suffix_length):
             return False
         groups = None if paths is None else base.groups_for(paths)
@@ -354,18 +336,14 @@ def _static_prefix(layer: RelayLayer, groups: PrefixGroups | None) -> tuple[torc
     return out[0], out[1]
 
 
-def _prefix_ids(ids, name: str) -> torch.Tensor:
-    """``[P]`` integer token ids from a tensor or list (``[1, P]`` accepted), else ``ValueError`` naming ``name``."""
-    ids = torch.as_tensor(ids)
-    if ids.numel() == 0:  # checked first: an empty list becomes a float tensor
-        raise ValueError(f"{name} is empty: a prefix needs at least one token")
-    if ids.dtype.is_floating_point or ids.dtype == torch.bool:
-        raise ValueError(f"{name} must be integer token ids, got dtype {ids.dtype}")
-    if ids.dim() == 2 and ids.shape[0] == 1:
-        ids = ids[0]
-    if ids.dim() != 1 or ids.numel() == 0:
-        raise ValueError(f"{name} must be a non-empty [P] or [1, P] sequence, got shape {tuple(ids.shape)}")
-    return ids
+def _combinable(caches: list) -> list[RelayCache]:
+    """``caches`` when ``RelayCache.combine`` can pack them (built from token ids, of one model), else
+    ``ValueError``."""
+    if not caches or any(not isinstance(c, RelayCache) or c.tree is None for c in caches):
+        raise ValueError("combine takes RelayCaches built with from_prefix / from_prefixes")
+    if any(c.config is not caches[0].config for c in caches):
+        raise ValueError("combine takes RelayCaches of one model")
+    return caches
 
 
 def _segment_capacity(groups: PrefixGroups) -> int:

@@ -298,7 +298,7 @@ class DecodeStep:
         self.fn = _forward
         if compile_config is not None:
             self.fn = torch.compile(_forward, dynamic=False,
-                                    **_compile_kwargs(compile_config, device.type, decode.step_inductor_options))
+                                    **step_compile_kwargs(compile_config, device.type, decode.step_inductor_options))
         self.state: Warming | Captured | Eager = (Warming(WARM_UP_STEPS) if device.type == "cuda" else
                                                   Eager("CUDA graphs need a CUDA device"))
         self.choice: _Choice | None = None
@@ -346,7 +346,7 @@ class DecodeStep:
             self._choose_uncaptured(choice)
 
     def _warm_up_or_capture(self, state: Warming) -> None:
-        with _capture_blas(self.decode.capture_blas, self.model.dtype):
+        with preferred_blas(self.decode.capture_blas, self.model.dtype):
             if state.left > 0:
                 if self._run_eagerly(torch.cuda.Stream(), _WARN_BELOW_STEP):
                     self.state = Warming(state.left - 1)
@@ -394,8 +394,9 @@ class DecodeStep:
 
 
 @contextlib.contextmanager
-def _capture_blas(library: str | None, dtype: torch.dtype | None):
-    """``library`` preferred inside the block for fp16/bf16 ``dtype`` (CUDA only), else nothing changes."""
+def preferred_blas(library: str | None, dtype: torch.dtype | None):
+    """``library`` (``DecodeConfig.capture_blas``) preferred inside the block for fp16/bf16 ``dtype`` (CUDA only),
+    else nothing changes; the process-wide preference is restored on the way out."""
     pick = getattr(torch.backends.cuda, "preferred_blas_library", None)
     if library is None or pick is None or torch.version.hip or dtype not in (torch.float16, torch.bfloat16):
         yield
@@ -412,11 +413,12 @@ def _capture_blas(library: str | None, dtype: torch.dtype | None):
             pick(before)
 
 
-def _compile_kwargs(compile_config, device_type: str, step_options: tuple = DEFAULT_DECODE.step_inductor_options
-                    ) -> dict:
-    """``torch.compile`` arguments for the forward from the user's ``CompileConfig``. The loop captures its own CUDA
-    graph, so inductor's graph modes become their no-graph forms; on CUDA, inductor also gets ``step_options``
-    under the user's own options (``torch.compile`` takes a mode or options, so the mode's options are spelled out)."""
+def step_compile_kwargs(compile_config, device_type: str,
+                        step_options: tuple = DEFAULT_DECODE.step_inductor_options) -> dict:
+    """``torch.compile`` arguments for the decode step's forward from the user's ``CompileConfig``. The loop captures
+    its own CUDA graph, so inductor's graph modes become their no-graph forms; on CUDA, inductor also gets
+    ``step_options`` under the user's own options (``torch.compile`` takes a mode or options, so the mode's options
+    are spelled out)."""
     mode = {"reduce-overhead": None, "max-autotune": "max-autotune-no-cudagraphs"}.get(compile_config.mode,
                                                                                       compile_config.mode)
     options = compile_config.options

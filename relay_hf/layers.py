@@ -175,17 +175,24 @@ class RelayLayer(CacheLayerMixin):
         self._vbuf[:, :, self._len:end] = value_states
         self._len = end
 
-    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, relay: bool = True, **kwargs):
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Stock's contract (any attention implementation): append, and return each row's whole keys and values
+        ``[B, H_kv, P + L_s, D]``, the prefix expanded or gathered per row in front of the suffix."""
         self.append(key_states, value_states)
         if self.prefix_keys is None:
             return self.keys, self.values
-        if relay:
-            lengths = self._row_lengths(key_states.device)
-            view = self.view(key_states.shape[0])
-            return (RelayKV(self.prefix_keys, self.keys, lengths, None, view),
-                    RelayKV(self.prefix_values, self.values, lengths, None, view))
         prefix_keys, prefix_values = self._expanded_prefix(self.keys.shape[0])
         return torch.cat([prefix_keys, self.keys], dim=-2), torch.cat([prefix_values, self.values], dim=-2)
+
+    def relay_update(self, key_states: torch.Tensor, value_states: torch.Tensor) -> tuple[RelayKV, RelayKV]:
+        """Relay attention's contract: append, and return keys and values as ``RelayKV`` (the prefix stored once).
+        Only a layer with a prefix is asked (``RelayCache.relay_active``)."""
+        self.append(key_states, value_states)
+        lengths = self._row_lengths(key_states.device)
+        view = self.view(key_states.shape[0])
+        return (RelayKV(self.prefix_keys, self.keys, lengths, None, view),
+                RelayKV(self.prefix_values, self.values, lengths, None, view))
 
     def get_seq_length(self) -> int:
         return self.prefix_length + self.suffix_length
@@ -275,6 +282,17 @@ class StaticRelayLayer(RelayLayer):
     def suffix_length(self) -> int:
         return 0 if self._end is None else int(self._end)
 
+    @property
+    def end(self) -> torch.Tensor | None:
+        """0-d int64 on the device: filled suffix positions (what a captured step reads; ``None`` before the first
+        update)."""
+        return self._end
+
+    @property
+    def row_lengths(self) -> torch.Tensor | None:
+        """``[B]`` int32 on the device: each row's valid suffix positions ending at ``end`` (left padding excluded)."""
+        return self._lengths
+
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         super().lazy_initialization(key_states, value_states)
         B, H, _, D = key_states.shape
@@ -291,8 +309,11 @@ class StaticRelayLayer(RelayLayer):
             for t in (self.prefix_keys, self.prefix_values, self._kbuf, self._vbuf, self._end, self._lengths):
                 torch._dynamo.mark_static_address(t)
 
-    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, relay: bool = True, **kwargs):
-        if not relay or self.prefix_keys is None:
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        raise ValueError("a static RelayCache needs a prefix and a model patched by relay_hf (relay attention)")
+
+    def relay_update(self, key_states: torch.Tensor, value_states: torch.Tensor) -> tuple[RelayKV, RelayKV]:
+        if self.prefix_keys is None:
             raise ValueError("a static RelayCache needs a prefix and a model patched by relay_hf (relay attention)")
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
@@ -343,3 +364,25 @@ class StaticRelayLayer(RelayLayer):
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:
         raise NotImplementedError("a static RelayCache cannot change its batch")
+
+
+def share_groups(layers: list[RelayLayer], groups: PrefixGroups | None) -> dict[int, PrefixGroups | None]:
+    """Hand every layer of a cache this call's ``groups``; trimmed sliding-window layers read them through one
+    windowed view per window, built once and shared by that window's layers (not once per layer and step).
+
+    Returns the views by window, ``0`` keying the call's groups as they are (a static cache pins each view's kernel
+    tables)."""
+    rows = None
+    padding = layers[0].suffix_padding if layers else None
+    if groups is not None:
+        rows = groups.rows
+    elif padding is not None:
+        rows = padding.shape[0]
+    shared: dict[int, PrefixGroups | None] = {}
+    for lay in layers:
+        lay.set_groups(groups)
+        if lay.window is not None and rows is not None:
+            if lay.window not in shared:  # one windowed view per window, shared by its layers
+                shared[lay.window] = lay.view(rows)
+            lay.set_groups(groups, rows, shared[lay.window])
+    return {0: groups, **shared}  # 0: the layers that read the call's groups as they are

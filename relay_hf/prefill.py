@@ -2,7 +2,9 @@
 
 A global layer stores each segment whole; a sliding-window layer (one whose attention module states its own
 ``sliding_window``) stores only what a query after the segment can see, its last ``window - 1`` tokens, where that
-saves enough (``TRIM_AT_MOST``). ``RelayCache.from_tree`` packs the result.
+saves enough (``TRIM_AT_MOST``). ``RelayCache.from_prefix`` / ``from_prefixes`` / ``from_tree`` / ``combine`` build
+on these functions, which return what a ``RelayCache`` is made of: the packed KV per layer, the ``PrefixTree`` of
+its segments and the window each layer was trimmed for.
 """
 
 from __future__ import annotations
@@ -17,10 +19,38 @@ from .prefix import PrefixTree
 # a sliding-window layer stores only what its window sees where that keeps at most this share of the prefix tokens
 # (below, its memory saving does not pay for reading the prefix through work tables)
 TRIM_AT_MOST = 0.75
+KV = list[tuple[torch.Tensor, torch.Tensor]]  # per layer, the packed prefix keys / values [1, H_kv, P_packed, D]
+
+
+def _prefix_ids(ids, name: str) -> torch.Tensor:
+    """``[P]`` integer token ids from a tensor or list (``[1, P]`` accepted), else ``ValueError`` naming ``name``."""
+    ids = torch.as_tensor(ids)
+    if ids.numel() == 0:  # checked first: an empty list becomes a float tensor
+        raise ValueError(f"{name} is empty: a prefix needs at least one token")
+    if ids.dtype.is_floating_point or ids.dtype == torch.bool:
+        raise ValueError(f"{name} must be integer token ids, got dtype {ids.dtype}")
+    if ids.dim() == 2 and ids.shape[0] == 1:
+        ids = ids[0]
+    if ids.dim() != 1 or ids.numel() == 0:
+        raise ValueError(f"{name} must be a non-empty [P] or [1, P] sequence, got shape {tuple(ids.shape)}")
+    return ids
 
 
 @torch.no_grad()
-def prefill_tree(model, tree: PrefixTree) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], list[int | None]]:
+def prefill_prefixes(model, prefixes, names: list[str] | None = None) -> tuple[KV, PrefixTree, list[int | None]]:
+    """Validate ``prefixes`` (a non-empty list of ``[P]`` / ``[1, P]`` integer token id sequences; an error names the
+    bad one by ``names``, by default ``prefixes[i]``), store them as a ``PrefixTree`` (a prefix that starts with
+    another is its continuation) and prefill it (``prefill_tree``)."""
+    if isinstance(prefixes, torch.Tensor) or not prefixes:
+        raise ValueError("prefixes must be a non-empty list of token id sequences")
+    names = names or [f"prefixes[{i}]" for i in range(len(prefixes))]
+    tree = PrefixTree.from_prefixes([_prefix_ids(p, name) for p, name in zip(prefixes, names)])
+    kv, windows = prefill_tree(model, tree)
+    return kv, tree, windows
+
+
+@torch.no_grad()
+def prefill_tree(model, tree: PrefixTree) -> tuple[KV, list[int | None]]:
     """Prefill the segments of ``tree`` (roots at position 0, each child after its parent's KV) at batch 1.
 
     Returns ``(kv, windows)``: per layer the packed prefix keys / values ``[1, H_kv, P_packed, D]`` (every segment,
@@ -91,7 +121,7 @@ def layer_windows(model) -> list[int | None]:
     return out
 
 
-def pack_prefixes(caches) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], PrefixTree, list[int | None]]:
+def pack_prefixes(caches) -> tuple[KV, PrefixTree, list[int | None]]:
     """The stored prefixes of several caches of one model, packed into one: ``caches`` is ``[(tree, layers)]``.
     Returns ``(kv, tree, windows)`` as ``prefill_tree`` does, the trees side by side (their KV copied once)."""
     ids, parents = [], []

@@ -73,9 +73,10 @@ class _Stop(Exception):
     """Ends a forward where the first layer the cut leaves out begins (``_input_of``)."""
 
 
-def probe_reason(model) -> str | None:
+def probe_reason(model, *, whole_model: bool = False) -> str | None:
     """Why ``model`` (already switched to ``"relay"``) must not run relay attention, or ``None`` when relay
-    reproduces it.
+    reproduces it. ``whole_model``: probe at full depth only, without trying the first layers (``probed_layers``)
+    first; a decline is the same either way.
 
     Returns a short reason naming the class and what happened, e.g. ``"DiffLlamaForCausalLM: its attention module
     does not hand the KV to the attention function (TypeError: chunk(): ...)"``. Returns ``None`` without running
@@ -93,13 +94,20 @@ def probe_reason(model) -> str | None:
         inputs = _probe_inputs(model)
     except Exception as e:  # a model that cannot be probed is declined; patch never crashes on it
         return f"{type(model).__name__}: relay attention cannot be checked on it ({_short(e)})"
-    cut = _cut(model)
+    cut = None if whole_model else _cut(model)
     if cut is not None:
         with _probing(model):
             if _accepted_on_first_layers(model, inputs, *cut):
                 return None
     with _probing(model):  # a fresh start: nothing of the cut run (hooks transformers installed on it...) stays
         return _reason(model, inputs, lambda out: _last_logits(out, inputs["hidden"]))
+
+
+def probed_layers(model) -> int | None:
+    """How many of ``model``'s first decoder layers ``probe_reason`` tries it on before the whole model (``_cut``):
+    the first layer of each kind and the one after the last of them; ``None`` when it probes the whole model only."""
+    cut = _cut(model)
+    return None if cut is None else cut[1]
 
 
 @contextlib.contextmanager
@@ -130,7 +138,7 @@ def _one_thread(model):
 def _reason(model, inputs: dict, read, names: tuple[str, str] = ("logits", f"hidden state after layer {HALF_DEPTH}")
             ) -> str | None:
     """The probe on ``model`` as it stands (whole, or cut to its first layers): a reason, or ``None``. ``read(out)``
-    gives what is compared of a forward (``(main, early)``, ``_compare``); ``names`` names them in the reason."""
+    gives what is compared of a forward (``(main, early)``, ``compare_steps``); ``names`` names them in the reason."""
     name = type(model).__name__
     try:
         stock = _stock_steps(model, inputs, read)
@@ -142,7 +150,7 @@ def _reason(model, inputs: dict, read, names: tuple[str, str] = ("logits", f"hid
         if "RelayKV" in str(e) or "RelayMask" in str(e):  # the module operated on the relay objects themselves
             return f"{name}: its attention module does not hand the KV to the attention function ({_short(e)})"
         return f"{name}: relay attention cannot run it ({_short(e)})"
-    why = _compare(stock, relay, RTOL.get(inputs["dtype"], DEFAULT_RTOL), names)
+    why = compare_steps(stock, relay, RTOL.get(inputs["dtype"], DEFAULT_RTOL), names)
     if why is None:
         return None
     if not inputs["positions"]:
@@ -470,10 +478,11 @@ def _relay_steps(model, inputs: dict, read) -> tuple[tuple, tuple]:
     return first, read(_forward(model, step, mask, inputs, **kwargs))
 
 
-def _compare(stock, relay, rtol: float, names: tuple[str, str] = ("logits", f"hidden state after layer {HALF_DEPTH}")
-             ) -> str | None:
-    """Where and by how much the relay outputs differ from stock's beyond ``rtol``, or ``None``. Each step gives
-    ``(main, early or None)``: ``main`` (the logits, or the cut model's last hidden state) is held to ``rtol``, or,
+def compare_steps(stock, relay, rtol: float,
+                  names: tuple[str, str] = ("logits", f"hidden state after layer {HALF_DEPTH}")) -> str | None:
+    """Where and by how much the relay outputs differ from stock's beyond ``rtol``, or ``None``: the probe's verdict
+    on its two steps (``stock`` / ``relay``: ``(prompt, decode step)``). Each step gives ``(main, early or None)``
+    (fp32, ``[B, ...]``): ``main`` (the logits, or the cut model's last hidden state) is held to ``rtol``, or,
     where there is an ``early`` hidden state (16-bit), to ``HALF_LOGIT_RTOL`` and ``early`` to ``rtol``."""
     for what, (a_main, a_early), (b_main, b_early) in (("prompt", stock[0], relay[0]),
                                                         ("decode step", stock[1], relay[1])):

@@ -124,12 +124,12 @@ def test_value_head_dim_may_differ_from_the_keys(static):
     keys, values = [], []
     for n in (3, 1, 5, 1):
         k, v = torch.randn(B, H, n, D, generator=g), torch.randn(B, H, n, D_v, generator=g)
-        key, value = lay.update(k, v)
+        key, value = lay.relay_update(k, v)
         keys.append(k)
         values.append(v)
     suffix_k, suffix_v = torch.cat(keys, 2), torch.cat(values, 2)  # [B, H, 10, D], [B, H, 10, D_v]
     L = suffix_k.shape[2]
-    assert lay._kbuf.shape[-1] == D and lay._vbuf.shape[-1] == D_v and lay._kbuf.shape[2] == lay._vbuf.shape[2]
+    assert lay.keys.shape[-1] == D and lay.values.shape[-1] == D_v and lay.keys.shape[2] == lay.values.shape[2]
     end = key.end if static else None
     assert torch.equal(key.suffix[:, :, :L], suffix_k) and torch.equal(value.suffix[:, :, :L], suffix_v)
     query = torch.randn(B, H, 1, D, generator=g)

@@ -76,12 +76,12 @@ def test_decode_writes_in_place_and_grows_geometrically():
     lay = RelayLayer(torch.randn(1, 2, 5, 8), torch.randn(1, 2, 5, 8))
     lay.reserve(20)
     lay.append(torch.randn(3, 2, 6, 8), torch.randn(3, 2, 6, 8))
-    ptr, cap = lay._kbuf.data_ptr(), lay.capacity
+    ptr, cap = lay.keys.data_ptr(), lay.capacity
     assert cap == 20
     steps = [torch.randn(3, 2, 1, 8) for _ in range(14)]
     for k in steps:
         lay.append(k, -k)
-    assert lay._kbuf.data_ptr() == ptr and lay.suffix_length == 20  # 14 decode steps, no reallocation
+    assert lay.keys.data_ptr() == ptr and lay.suffix_length == 20  # 14 decode steps, no reallocation
     lay.append(torch.randn(3, 2, 1, 8), torch.randn(3, 2, 1, 8))
     assert lay.capacity == 40 and lay.suffix_length == 21  # doubled once, contents kept
     assert torch.equal(lay.keys[:, :, 6:20], torch.cat(steps, 2)) and torch.equal(lay.values[:, :, 6:20],
@@ -126,27 +126,27 @@ def _static_layer(B=3, cap=8, pads=(0, 2, 5)):
 
 def test_static_layer_writes_in_place_and_tracks_extents_on_device():
     lay = _static_layer()
-    k, v = lay.update(torch.randn(3, 2, 6, 8), torch.randn(3, 2, 6, 8))
-    ptrs = (lay._kbuf.data_ptr(), lay._end.data_ptr(), lay._lengths.data_ptr())
+    k, v = lay.relay_update(torch.randn(3, 2, 6, 8), torch.randn(3, 2, 6, 8))
+    ptrs = (lay.keys.data_ptr(), lay.end.data_ptr(), lay.row_lengths.data_ptr())
     assert k.suffix.shape == (3, 2, 8, 8) and k.prefix is lay.prefix_keys
     assert int(k.end) == 6 and k.lengths.tolist() == [6, 4, 1]  # padding excluded
     step = torch.randn(3, 2, 1, 8)
-    k, v = lay.update(step, -step)
-    assert (lay._kbuf.data_ptr(), lay._end.data_ptr(), lay._lengths.data_ptr()) == ptrs
+    k, v = lay.relay_update(step, -step)
+    assert (lay.keys.data_ptr(), lay.end.data_ptr(), lay.row_lengths.data_ptr()) == ptrs
     assert int(k.end) == 7 and k.lengths.tolist() == [7, 5, 2]
     assert torch.equal(k.suffix[:, :, 6:7], step) and torch.equal(v.suffix[:, :, 6:7], -step)
     assert int(lay.get_seq_length()) == 5 + 7
     lay.reset()
-    assert int(lay._end) == 0 and lay._lengths.tolist() == [0, -2, -5] and lay._kbuf.abs().sum() == 0
+    assert int(lay.end) == 0 and lay.row_lengths.tolist() == [0, -2, -5] and lay.keys.abs().sum() == 0
 
 
 def test_static_cache_refuses_what_it_cannot_do():
     lay = _static_layer()
     with pytest.raises(ValueError, match="patched"):
-        lay.update(torch.randn(3, 2, 1, 8), torch.randn(3, 2, 1, 8), relay=False)
+        lay.update(torch.randn(3, 2, 1, 8), torch.randn(3, 2, 1, 8))  # stock's contract
     with pytest.raises(ValueError, match="suffix_padding"):
-        _static_layer(pads=(0, 1)).update(torch.randn(3, 2, 1, 8), torch.randn(3, 2, 1, 8))
-    lay.update(torch.randn(3, 2, 1, 8), torch.randn(3, 2, 1, 8))
+        _static_layer(pads=(0, 1)).relay_update(torch.randn(3, 2, 1, 8), torch.randn(3, 2, 1, 8))
+    lay.relay_update(torch.randn(3, 2, 1, 8), torch.randn(3, 2, 1, 8))
     with pytest.raises(NotImplementedError, match="cropped"):
         lay.crop(-1)
     with pytest.raises(NotImplementedError, match="batch"):
@@ -164,7 +164,7 @@ def test_static_fork_owns_its_prefix_and_refills_in_place():
     assert static.layers[0].prefix_keys.data_ptr() != kv[0][0].data_ptr()  # a copy: refill must not touch `base`
     assert not static.can_refill(base, 3, 8)  # not initialised yet
     for lay in static.layers:
-        lay.update(torch.randn(3, 2, 2, 8), torch.randn(3, 2, 2, 8))
+        lay.relay_update(torch.randn(3, 2, 2, 8), torch.randn(3, 2, 2, 8))
     other = RelayCache(config, [(torch.randn(1, 2, 5, 8), torch.randn(1, 2, 5, 8)) for _ in kv], torch.arange(5) + 1)
     assert static.can_refill(other, 3, 8) and not static.can_refill(other, 4, 8) and not static.can_refill(other, 3, 16)
     ptr = static.layers[0].prefix_keys.data_ptr()
@@ -172,7 +172,7 @@ def test_static_fork_owns_its_prefix_and_refills_in_place():
     assert static.layers[0].prefix_keys.data_ptr() == ptr
     assert torch.equal(static.layers[0].prefix_keys, other.layers[0].prefix_keys)
     assert torch.equal(base.layers[0].prefix_keys, kv[0][0])
-    assert int(static.layers[0]._end) == 0 and static.layers[0]._lengths.tolist() == [0, -1, 0]
+    assert int(static.layers[0].end) == 0 and static.layers[0].row_lengths.tolist() == [0, -1, 0]
 
 
 # -- several prefixes ------------------------------------------------------------------------------------------------
@@ -214,7 +214,7 @@ def test_a_static_cache_of_several_prefixes_holds_room_and_is_refilled_for_what_
     lay = static.layers[0]
     assert static.is_static and lay.prefix_keys.shape[2] == 256 and lay.groups.segments_per_level == 4
     k = torch.randn(4, lay.prefix_keys.shape[1], 3, lay.prefix_keys.shape[3])
-    lay.update(k, k)  # allocate the suffix buffers
+    lay.relay_update(k, k)  # allocate the suffix buffers
     other = RelayCache.from_prefixes(model, [c, a, b])
     paths = [(2,), (0,), (1,), (0,)]
     assert static.can_refill(other, 4, 64, paths=paths)

@@ -22,6 +22,7 @@ from transformers.generation.streamers import BaseStreamer
 
 import relay_hf
 from relay_hf.decode import DEFAULT_DECODE, WARM_UP_STEPS, Captured, DecodeConfig, Eager, Pending, Warming
+from relay_hf.state import relay_state
 from tests.helpers import VOCAB, grouped_batch, run_stock, shared_prefix_batch, tiny_model
 
 GRAPH = dict(min_prefix_length=8, decode="graph")
@@ -305,14 +306,14 @@ def test_batch_sizes_share_the_static_slot_of_their_bucket():
     for (ids, mask), (out, draw) in zip(batches, stock, strict=True):
         assert torch.equal(_loop(model, ids, mask, **gen), out) and torch.equal(torch.rand(3), draw)
         assert model.relay_last_decision.fast_decode
-        slot = model._relay_state.idle_static()
+        slot = relay_state(model).idle_static()
         rows = slot.cache.layers[0].keys.shape[0]
         assert DEFAULT_DECODE.bucket(ids.shape[0]) <= rows <= 2 * DEFAULT_DECODE.bucket(ids.shape[0])
         slots.append((slot, slot.stepper, rows))
     assert slots[1][0] is slots[0][0] and slots[1][1] is slots[0][1]  # refilled in place, the step kept
     assert slots[2][0] is not slots[1][0] and slots[2][2] == 8
     assert slots[3][0] is slots[2][0] and slots[3][1] is slots[2][1]  # 3 rows replay the 8-row step
-    assert slots[4][0] is slots[0][0] and slots[4][1] is slots[0][1] and len(model._relay_state._idle) == 2
+    assert slots[4][0] is slots[0][0] and slots[4][1] is slots[0][1] and len(relay_state(model).idle_slots()) == 2
 
 
 def test_decode_config_bucket_is_the_smallest_capture_size_that_holds_the_rows():
@@ -369,7 +370,7 @@ def test_auto_mode_off_cuda_decodes_on_transformers_loop_unless_a_static_cache_i
     decision = model.relay_last_decision
     assert decision.used and decision.static and decision.fast_decode and torch.equal(static, stock)
     # off CUDA transformers compiles nothing unless told to, so neither does the loop
-    assert not model._relay_state.idle_static().stepper.compiled
+    assert not relay_state(model).idle_static().stepper.compiled
 
 
 def test_off_cuda_the_step_and_its_choice_run_eagerly_and_say_why():
@@ -380,7 +381,7 @@ def test_off_cuda_the_step_and_its_choice_run_eagerly_and_say_why():
     stock = run_stock(model, ids, mask, max_new_tokens=6, do_sample=False)
     for _ in range(2):
         assert torch.equal(_loop(model, ids, mask, max_new_tokens=6, do_sample=False), stock)
-        step = model._relay_state.idle_static().stepper
+        step = relay_state(model).idle_static().stepper
         assert isinstance(step.state, Eager) and "CUDA" in step.state.reason
         assert step.choice.state == step.state and not step.captures and step.graph is None
 
@@ -449,7 +450,7 @@ def test_compiled_forward_traces_as_one_graph_and_matches_eager():
     torch._dynamo.reset()
     compiled = model.generate(ids, attention_mask=mask, max_new_tokens=8, do_sample=False, compile_config=config)
     assert model.relay_last_decision.fast_decode
-    assert traced and model._relay_state.idle_static().stepper.compiled  # the compiled forward ran
+    assert traced and relay_state(model).idle_static().stepper.compiled  # the compiled forward ran
     assert torch.equal(eager, compiled)
     assert model.config._attn_implementation == "relay"
 
@@ -467,11 +468,11 @@ def test_a_forward_that_fails_to_compile_decodes_eagerly_with_a_warning():
     with pytest.warns(RuntimeWarning, match="compiling the decode step failed"):
         out = model.generate(ids, attention_mask=mask, max_new_tokens=6, do_sample=False, compile_config=config)
     assert model.relay_last_decision.fast_decode and torch.equal(eager, out)
-    step = model._relay_state.idle_static().stepper
+    step = relay_state(model).idle_static().stepper
     assert not step.compiled
     with _relay_warnings() as found:  # the same settings replay the kept step: uncompiled, not compiled again
         out = model.generate(ids, attention_mask=mask, max_new_tokens=6, do_sample=False, compile_config=config)
-    assert model._relay_state.idle_static().stepper is step and torch.equal(eager, out) and not found
+    assert relay_state(model).idle_static().stepper is step and torch.equal(eager, out) and not found
     again = model.generate(ids, attention_mask=mask, max_new_tokens=6, do_sample=False)
     assert torch.equal(eager, again)  # the model stays usable
 
@@ -480,11 +481,11 @@ def test_a_patched_model_with_a_kept_step_can_be_deep_copied():
     model = relay_hf.patch(tiny_model("qwen3"), **GRAPH)
     ids, mask, _ = shared_prefix_batch(seed=16)
     out = model.generate(ids, attention_mask=mask, max_new_tokens=6, do_sample=False)
-    slot = model._relay_state.idle_static()
+    slot = relay_state(model).idle_static()
     assert slot.stepper is not None
     assert copy.deepcopy(slot).stepper is None  # a graph cannot be copied: a copied cache captures its own step
     twin = copy.deepcopy(model)
-    assert twin._relay_state.idle_static() is None and relay_hf.is_patched(twin)
+    assert relay_state(twin).idle_static() is None and relay_hf.is_patched(twin)
     assert torch.equal(out, twin.generate(ids, attention_mask=mask, max_new_tokens=6, do_sample=False))
     assert twin.relay_last_decision.fast_decode  # the copy keeps the mode
 
@@ -493,10 +494,10 @@ def test_a_patched_model_with_a_kept_step_can_be_deep_copied():
 def test_capture_blas_preference_is_scoped(dtype):
     """The decode graph's cuBLASLt preference holds only inside the capture, only for 16-bit models (fp32 steps keep
     the GEMMs the eager path uses), and a build without cuBLASLt (the CPU one) just keeps what it has."""
-    from relay_hf.decode import _capture_blas
+    from relay_hf.decode import preferred_blas
 
     before = torch.backends.cuda.preferred_blas_library()
-    with _capture_blas(DEFAULT_DECODE.capture_blas, dtype):
+    with preferred_blas(DEFAULT_DECODE.capture_blas, dtype):
         inside = torch.backends.cuda.preferred_blas_library()
     assert torch.backends.cuda.preferred_blas_library() == before
     if dtype in (torch.bfloat16, torch.float16) and torch.cuda.is_available() and not torch.version.hip:
@@ -509,28 +510,28 @@ def test_forward_compile_arguments_add_combo_kernels_on_cuda_under_the_users_opt
     """Inductor on CUDA gets the decode config's step options with the mode's own options spelled out (torch.compile
     takes a mode or options, not both); the user's options win; other backends and the CPU get the user's settings
     unchanged."""
-    from relay_hf.decode import _compile_kwargs
+    from relay_hf.decode import step_compile_kwargs
 
-    cuda = _compile_kwargs(CompileConfig(fullgraph=True), "cuda")
+    cuda = step_compile_kwargs(CompileConfig(fullgraph=True), "cuda")
     assert cuda == dict(fullgraph=True, backend="inductor", mode=None, options={"combo_kernels": True})
-    tuned = _compile_kwargs(CompileConfig(mode="max-autotune"), "cuda")
+    tuned = step_compile_kwargs(CompileConfig(mode="max-autotune"), "cuda")
     assert tuned["mode"] is None and tuned["options"]["max_autotune"] and tuned["options"]["combo_kernels"]
     assert "triton.cudagraphs" not in tuned["options"]  # the loop captures its own graph
-    off = _compile_kwargs(CompileConfig(mode=None, options={"combo_kernels": False}), "cuda")
+    off = step_compile_kwargs(CompileConfig(mode=None, options={"combo_kernels": False}), "cuda")
     assert off["options"] == {"combo_kernels": False}
-    assert _compile_kwargs(CompileConfig(), "cpu") == dict(fullgraph=False, backend="inductor", mode=None,
-                                                           options=None)
-    eager = _compile_kwargs(CompileConfig(backend="eager", mode=None), "cuda")
+    assert step_compile_kwargs(CompileConfig(), "cpu") == dict(fullgraph=False, backend="inductor", mode=None,
+                                                               options=None)
+    eager = step_compile_kwargs(CompileConfig(backend="eager", mode=None), "cuda")
     assert eager["backend"] == "eager" and eager["options"] is None
     torch.compile(lambda x: x + 1, dynamic=False, **cuda)  # a combination torch.compile accepts
 
 
 def test_forward_options_this_torch_does_not_know_are_left_out():
-    from relay_hf.decode import _compile_kwargs
+    from relay_hf.decode import step_compile_kwargs
 
     options = (("combo_kernels", True), ("no_such_inductor_option", 1))
-    assert _compile_kwargs(CompileConfig(), "cuda", options)["options"] == {"combo_kernels": True}
-    assert _compile_kwargs(CompileConfig(), "cuda", ())["options"] is None
+    assert step_compile_kwargs(CompileConfig(), "cuda", options)["options"] == {"combo_kernels": True}
+    assert step_compile_kwargs(CompileConfig(), "cuda", ())["options"] is None
 
 
 # -- on CUDA: the captured loop (default mode), chunked host looks, the generator rewound -------------------------
@@ -583,7 +584,7 @@ def test_captured_loop_with_several_prompts_replays_each_calls_layout_on_gpu():
             assert decision.fast_decode and len(decision.groups) >= 3, decision
             out, draw = stock[2 * b + c]
             assert torch.equal(loop, out) and torch.equal(loop_draw, draw), call
-        slot = model._relay_state.idle_static()
+        slot = relay_state(model).idle_static()
         assert isinstance(slot.stepper.state, Captured)  # captured, and replayed by the next batches
         slots.append((slot, slot.stepper))
     assert slots[1] == slots[0] and slots[2] == slots[0]
@@ -619,7 +620,7 @@ def test_the_step_warms_up_then_captures_its_forward_and_choice_once_on_gpu(monk
     seen = []
     for call, out in zip(calls, stock, strict=True):
         assert torch.equal(_loop(model, ids, mask, **call), out)
-        step = model._relay_state.idle_static().stepper
+        step = relay_state(model).idle_static().stepper
         seen.append(dict(step=step, forward=step.state, choice=step.choice, chosen=step.choice.state,
                          captures=len(captures)))
     warm, first, again, other = seen
@@ -650,7 +651,7 @@ def test_a_capture_that_fails_is_warned_once_and_not_retried_on_gpu(monkeypatch,
             out = _loop(model, ids, mask, **gen)
         assert torch.equal(out, stock) and torch.equal(torch.rand(3, device="cuda"), draw)
         assert model.relay_last_decision.fast_decode
-        step = model._relay_state.idle_static().stepper
+        step = relay_state(model).idle_static().stepper
         if what == "step":  # the choice follows its eager forward
             assert isinstance(step.state, Eager) and step.choice.state == step.state and not step.captures
         else:
@@ -672,7 +673,7 @@ def test_a_captured_16_bit_call_leaves_the_blas_preference_as_it_was_on_gpu():
     ids, mask, _ = shared_prefix_batch(seed=44)
     before = torch.backends.cuda.preferred_blas_library()
     _loop(model, ids.cuda(), mask.cuda(), max_new_tokens=8, do_sample=False)
-    assert isinstance(model._relay_state.idle_static().stepper.state, Captured)
+    assert isinstance(relay_state(model).idle_static().stepper.state, Captured)
     assert torch.backends.cuda.preferred_blas_library() == before
 
 
@@ -702,7 +703,7 @@ def test_the_loop_serves_several_prompts_with_stock_tokens_and_rng(arch_model, g
     ids, mask, _, _ = grouped_batch(seed=50)
     _assert_loop_equals_stock(arch_model, ids, mask, **gen)
     assert len(arch_model.relay_last_decision.groups) == 4
-    assert arch_model._relay_state.idle_static().cache.groups.depth == 2
+    assert relay_state(arch_model).idle_static().cache.groups.depth == 2
 
 
 def test_one_static_slot_serves_the_next_grouping_that_fits_it():
@@ -717,9 +718,9 @@ def test_one_static_slot_serves_the_next_grouping_that_fits_it():
     slots = []
     for (ids, mask), out in zip(batches, stock, strict=True):
         assert torch.equal(_loop(model, ids, mask, **gen), out)
-        slot = model._relay_state.idle_static()
+        slot = relay_state(model).idle_static()
         slots.append((slot, slot.stepper))
     assert slots[1] == slots[0] and slots[2] == slots[0]
     ids, mask, _ = shared_prefix_batch(seed=54, suffix_lens=(3, 9, 1, 6, 2))
     _assert_loop_equals_stock(model, ids, mask, **gen)  # one prompt again: an ungrouped slot of its own
-    assert model._relay_state.idle_static() is not slots[0][0]
+    assert relay_state(model).idle_static() is not slots[0][0]

@@ -9,6 +9,7 @@ import transformers
 
 import relay_hf
 from relay_hf._compat import cache_kwarg_name
+from relay_hf.policy import model_reason
 from tests.helpers import VOCAB, grouped_batch, run_stock, shared_prefix_batch
 
 WINDOW = 8
@@ -46,7 +47,7 @@ def test_relay_gives_stock_tokens_with_a_window_shorter_than_the_prefix(family, 
     gen = dict(max_new_tokens=10, do_sample=False)
     stock = run_stock(model, ids, mask, **gen)
     relay_hf.patch(model, min_prefix_length=8, decode=decode)
-    assert model._relay_state.declined is None, model._relay_state.declined
+    assert model_reason(model) is None, model_reason(model)  # patched, not declined, on relay attention
     out = model.generate(ids, attention_mask=mask, **gen)
     decision = model.relay_last_decision
     assert decision.used and decision.fast_decode == (decode == "graph"), decision

@@ -14,6 +14,7 @@ from transformers import GenerationConfig
 import relay_hf
 from relay_hf import RelayCache
 from relay_hf._compat import cache_kwarg_name, output_cache
+from relay_hf.state import relay_state
 from tests.helpers import (
     VOCAB,
     grouped_batch,
@@ -563,7 +564,7 @@ def test_static_relay_cache_matches_stock_static(arch_model):
         assert torch.allclose(a, b, atol=1e-4, rtol=1e-4), f"logits differ at step {step}"
     assert torch.equal(stock.sequences, relay.sequences)
     cache = output_cache(relay)
-    assert cache.is_static and cache.is_compileable and int(cache.layers[0]._end) == relay.sequences.shape[1] - 41
+    assert cache.is_static and cache.is_compileable and int(cache.layers[0].end) == relay.sequences.shape[1] - 41
 
 
 @pytest.mark.parametrize("hf_loop", [True, False])
@@ -581,9 +582,9 @@ def test_static_cache_is_refilled_in_place_by_the_next_call(hf_loop):
                              max_time=600.0 if hf_loop else None, cache_implementation="static")
         assert torch.equal(stock, out)
         assert model.relay_last_decision.fast_decode != hf_loop
-        slot = model._relay_state.idle_static()
+        slot = relay_state(model).idle_static()
         layer = slot.cache.layers[0]
-        outs.append((slot.cache, layer._kbuf.data_ptr(), layer.prefix_keys.data_ptr(), slot.stepper))
+        outs.append((slot.cache, layer.keys.data_ptr(), layer.prefix_keys.data_ptr(), slot.stepper))
     assert outs[0] == outs[1]
     assert (outs[0][3] is None) == hf_loop
 
@@ -801,5 +802,5 @@ def test_a_call_continues_from_the_cache_the_last_call_returned(batch, first_gen
     assert model.relay_last_decision.used, model.relay_last_decision
     assert torch.equal(out, stock)
     # a static cache handed to the caller is the caller's: no later call refills it under their continuation
-    slot = model._relay_state.idle_static()
+    slot = relay_state(model).idle_static()
     assert slot is None or slot.cache is not returned

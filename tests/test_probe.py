@@ -14,7 +14,7 @@ import relay_hf
 from relay_hf import probe
 from relay_hf.names import ATTN_NAME
 from relay_hf.prefill import trim_window
-from relay_hf.probe import probe_reason
+from relay_hf.probe import probe_reason, probed_layers
 from tests.helpers import tiny_config
 from tests.helpers import tiny_model as tiny_arch_model
 from tests.helpers import tiny_model_of_type as tiny_model
@@ -41,7 +41,7 @@ def llama(layers: int = 2, **kwargs):
                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256, pad_token_id=0,
                          **kwargs)
     torch.manual_seed(0)
-    return LlamaForCausalLM._from_config(config, attn_implementation="sdpa").eval()
+    return AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").eval()
 
 
 def deep_model(model_type: str, layers: int):
@@ -60,9 +60,7 @@ def deep_model(model_type: str, layers: int):
 
 def whole_model_reason(model):
     """What the probe says at full depth, with no cut tried: the verdict every decline must equal."""
-    inputs = probe._probe_inputs(model)
-    with probe._probing(model):
-        return probe._reason(model, inputs, lambda out: probe._last_logits(out, inputs["hidden"]))
+    return probe_reason(model, whole_model=True)
 
 
 def completed_calls(modules) -> tuple[list[int], list]:
@@ -106,7 +104,7 @@ def test_declines_attention_that_does_not_hand_the_kv_to_the_attention_function(
 def test_declines_bidirectional_models(model_type, layers):
     model = on_relay(deep_model(model_type, layers))
     assert not model.config.is_decoder  # used as a causal LM without is_decoder: it attends both ways
-    assert (probe._cut(model) is not None) == (layers > 2)  # six layers: the cut is tried first
+    assert (probed_layers(model) is not None) == (layers > 2)  # six layers: the cut is tried first
     reason = probe_reason(model)
     assert reason is not None and reason.startswith(type(model).__name__)
     assert "causal" in reason or "differs" in reason
@@ -138,7 +136,7 @@ def test_an_accepted_model_is_probed_on_its_first_two_layers_without_the_vocabul
     counts, handles = completed_calls(list(model.model.layers))
     head_rows = []
     handles.append(model.lm_head.register_forward_hook(lambda module, args, out: head_rows.append(out.shape[-2])))
-    assert probe._cut(model)[1] == 2
+    assert probed_layers(model) == 2
     assert probe_reason(model) is None
     for handle in handles:
         handle.remove()
@@ -150,17 +148,17 @@ def test_the_cut_keeps_the_first_layer_of_every_kind_and_the_one_after():
     """A layer whose type (the config's ``layer_types``) or whose modules' settings differ is a kind of its own:
     the cut runs to the layer after the first one of the last kind to appear, so a later layer relay cannot serve is
     still probed."""
-    assert probe._cut(on_relay(llama(8)))[1] == 2
+    assert probed_layers(on_relay(llama(8))) == 2
     qwen2 = deep_model("qwen2", 8)
     qwen2.config.use_sliding_window, qwen2.config.sliding_window, qwen2.config.max_window_layers = True, 8, 3
     qwen2.config.layer_types = ["full_attention"] * 3 + ["sliding_attention"] * 5
     qwen2 = AutoModelForCausalLM.from_config(qwen2.config, attn_implementation="sdpa").eval()
-    assert probe._cut(on_relay(qwen2))[1] == 5
+    assert probed_layers(on_relay(qwen2)) == 5
     assert probe_reason(qwen2) is None
 
     model = on_relay(llama(8))
     model.model.layers[3].self_attn.is_causal = False  # one layer attends both ways: relay must refuse it
-    assert probe._cut(model)[1] == 5
+    assert probed_layers(model) == 5
     reason = probe_reason(model)
     assert reason is not None and "relay attention is causal" in reason
     assert reason == whole_model_reason(model)
@@ -171,14 +169,13 @@ def test_a_cut_that_changes_the_computation_is_not_trusted():
     faithfulness check refuses the cut and the whole model is probed (and accepted: stock and relay agree there)."""
     model = on_relay(llama(6))
     model.model.layers[0].register_forward_hook(lambda module, args, out: out * (6 / model.config.num_hidden_layers))
-    inputs = probe._probe_inputs(model)
-    with probe._probing(model):
-        assert not probe._accepted_on_first_layers(model, inputs, *probe._cut(model))
+    assert probed_layers(model) == 2  # the cut is tried first
     counts, handles = completed_calls(list(model.model.layers))
     assert probe_reason(model) is None
     for handle in handles:
         handle.remove()
-    assert min(counts) > 0  # every layer ran: the whole model decided
+    # every layer ran: the cut was refused (an accepted cut never completes a layer past it) and the whole model decided
+    assert min(counts) > 0
 
 
 def test_a_small_sliding_window_is_probed_past():
@@ -187,20 +184,23 @@ def test_a_small_sliding_window_is_probed_past():
     model's own sliding-window cache (stock ``generate``'s road past the window). With the window above
     ``MAX_WINDOW`` the probe stays short of it and does not see the failure."""
     model = on_relay(tiny_arch_model("qwen2", use_sliding_window=True, sliding_window=8, max_window_layers=0))
-    inputs = probe._probe_inputs(model)
-    n_prefix = inputs["prefix"].numel()
-    assert n_prefix > 8 and trim_window(8, [n_prefix]) == 8 and inputs["ids"].shape[1] > 8
-    windows = []
+    prefixes, windows, shapes = [], [], []  # what the relay side prefills and keeps; the ids each forward embeds
     build = relay_hf.RelayCache.from_prefix.__func__
 
     def from_prefix(cls, model, prefix_ids):
         cache = build(cls, model, prefix_ids)
+        prefixes.append(torch.as_tensor(prefix_ids).numel())
         windows.extend(lay.window for lay in cache.layers)
         return cache
 
+    embedded = model.get_input_embeddings().register_forward_pre_hook(lambda m, args: shapes.append(args[0].shape))
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(relay_hf.RelayCache, "from_prefix", classmethod(from_prefix))
         assert probe_reason(model) is None
+    embedded.remove()
+    n_prefix = prefixes[0]
+    assert set(prefixes) == {n_prefix} and n_prefix > 8 and trim_window(8, [n_prefix]) == 8
+    assert max(cols for rows, cols in shapes if rows == 2) > 8  # the stock prompt of the two rows runs past it too
     assert windows and set(windows) == {8}
 
     def fails_past_the_window(module, args, kwargs):
@@ -212,10 +212,12 @@ def test_a_small_sliding_window_is_probed_past():
     reason = probe_reason(model)
     assert reason == ("Qwen2ForCausalLM: a plain forward fails under relay's attention implementation "
                       "(RuntimeError: past the window)")
+    prefixes.clear()
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(probe, "MAX_WINDOW", 4)
-        assert probe._probe_inputs(model)["prefix"].numel() == probe.PROBE_PREFIX
+        mp.setattr(relay_hf.RelayCache, "from_prefix", classmethod(from_prefix))
         assert probe_reason(model) is None
+    assert prefixes and set(prefixes) == {probe.PROBE_PREFIX}
 
 
 @pytest.mark.parametrize("model_type", ["llama", "qwen2", "mistral", "qwen3", "gemma3_text"])
@@ -291,7 +293,7 @@ def test_the_cut_model_comes_back_whole_with_no_hooks_left():
     layers, modules = model.model.layers, list(model.model.layers)
     hooks = {name: (len(m._forward_hooks), len(m._forward_pre_hooks)) for name, m in model.named_modules()}
     config = dict(vars(model.config))
-    assert probe._cut(model) is not None
+    assert probed_layers(model) is not None
     assert probe_reason(model) is None
     assert model.model.layers is layers and list(layers) == modules and vars(model.config) == config
     assert model.config.num_hidden_layers == 6
@@ -345,14 +347,14 @@ def test_accepts_standard_attention_on_cuda(dtype):
 def test_a_16_bit_model_is_held_to_its_early_hidden_state_and_loosely_to_its_logits():
     """16-bit summation noise grows through deep random-weight models: the logits get the loose tolerance, the hidden
     state after an early layer the dtype's own; either beyond its tolerance is a reason."""
-    from relay_hf.probe import HALF_LOGIT_RTOL, RTOL, _compare
+    from relay_hf.probe import HALF_LOGIT_RTOL, RTOL, compare_steps
 
     logits, hidden = torch.full((2, 8), 4.0), torch.full((2, 16), 2.0)
     step = lambda dl, dh: (logits + dl, hidden + dh)  # noqa: E731
     rtol = RTOL[torch.bfloat16]
     stock = (step(0, 0), step(0, 0))
-    assert _compare(stock, (step(0, 0), step(0.5 * HALF_LOGIT_RTOL * 4, 0)), rtol) is None
-    assert "logits" in _compare(stock, (step(0, 0), step(2 * HALF_LOGIT_RTOL * 4, 0)), rtol)
-    assert "hidden state" in _compare(stock, (step(0, 2 * rtol * 2), step(0, 0)), rtol)
+    assert compare_steps(stock, (step(0, 0), step(0.5 * HALF_LOGIT_RTOL * 4, 0)), rtol) is None
+    assert "logits" in compare_steps(stock, (step(0, 0), step(2 * HALF_LOGIT_RTOL * 4, 0)), rtol)
+    assert "hidden state" in compare_steps(stock, (step(0, 2 * rtol * 2), step(0, 0)), rtol)
     fp32 = ((logits, None), (logits, None))
-    assert "logits" in _compare(fp32, ((logits + 1e-2, None), (logits, None)), RTOL[torch.float32])
+    assert "logits" in compare_steps(fp32, ((logits + 1e-2, None), (logits, None)), RTOL[torch.float32])

@@ -6,6 +6,7 @@ import torch
 import relay_hf
 import relay_hf.policy
 from relay_hf._compat import output_cache
+from relay_hf.state import relay_state
 
 QUESTIONS = [
     "How long does the boiler take to heat up?",
@@ -158,7 +159,7 @@ def test_compiled_relay_equals_eager_relay_on_gpu(smollm2, system_prompt, relay_
             eager = model.generate(**batch, max_new_tokens=32, do_sample=False)
             assert not model.relay_last_decision.static
             graphed = model.generate(**batch, max_new_tokens=32, do_sample=False, cache_implementation="static")
-            assert model.relay_last_decision.fast_decode and model._relay_state.idle_static().stepper.graph is not None
+            assert model.relay_last_decision.fast_decode and relay_state(model).idle_static().stepper.graph is not None
             again = model.generate(**batch, max_new_tokens=32, do_sample=False, cache_implementation="static")
             hf_loop = model.generate(**batch, max_new_tokens=32, do_sample=False, cache_implementation="static",
                                      return_dict_in_generate=True).sequences

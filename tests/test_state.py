@@ -5,7 +5,9 @@ import copy
 import pickle
 import threading
 
-from relay_hf.state import RelayState, StaticSlot
+import relay_hf
+from relay_hf.state import RelayState, StaticSlot, relay_state
+from tests.helpers import tiny_model
 
 
 def test_the_idle_slot_goes_to_one_caller_at_a_time():
@@ -38,7 +40,8 @@ def test_two_idle_slots_are_kept_most_recent_first_and_a_misfit_makes_room():
     assert state.idle_static() is third
     state.give_back_static(second)
     assert state.take_static(lambda cache: cache == "z") is None
-    assert state.idle_static() is second and len(state._idle) == 1  # room made for the caller's new slot
+    assert state.idle_static() is second and len(state.idle_slots()) == 1  # room made for the caller's new slot
+    assert state.idle_slots() == (second,)
 
 
 def test_copies_keep_the_settings_and_no_buffers():
@@ -49,3 +52,14 @@ def test_copies_keep_the_settings_and_no_buffers():
         assert twin.idle_static() is None
         twin.give_back_static(StaticSlot(cache="new"))  # a working lock of its own
         assert twin.idle_static().cache == "new"
+
+
+def test_relay_state_is_what_patch_keeps_on_the_model():
+    model = tiny_model("llama")
+    assert relay_state(model) is None and relay_state(object()) is None
+    relay_hf.patch(model, min_prefix_length=8)
+    state = relay_state(model)
+    assert isinstance(state, RelayState) and state.declined is None and state.min_prefix_length == 8
+    assert relay_hf.patch(model) is model and relay_state(model) is state  # patching again keeps the state
+    relay_hf.unpatch(model)
+    assert relay_state(model) is None

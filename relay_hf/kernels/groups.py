@@ -14,20 +14,19 @@ no prefix. ``relay_attention`` computes one partial per (row, level) and merges 
 as it merges the one prefix of an ungrouped call.
 
 Host-side and immutable: built once per call (or per static cache), read per layer. The device tables the Triton
-kernels read are built from it once per launch shape (``tables``) and cached on it.
+kernels read are built from it once per launch shape (``tables``) and cached on it (``group_tables``).
 """
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Sequence
 from functools import cached_property
-from typing import NamedTuple
 
 import torch
 
-# columns of one work item of the grouped prefix kernel (``triton_relay``): a block of one segment's rows
-ITEM_FIELDS = ("offset", "length", "base", "row_start", "rows", "block_start", "level")
+from .group_tables import ITEM_FIELDS, GroupTables, TableCache, work_items
+
+__all__ = ["ITEM_FIELDS", "GroupTables", "PrefixGroups", "paths_of_groups", "tree_of_paths", "window_kept"]
 
 
 def window_kept(lengths: Sequence[int], window: int | None) -> list[int]:
@@ -36,15 +35,44 @@ def window_kept(lengths: Sequence[int], window: int | None) -> list[int]:
     return list(lengths) if window is None else [min(n, window - 1) for n in lengths]
 
 
-class GroupTables(NamedTuple):
-    """A grouped call's device tables, built ahead (``PrefixGroups.tables``) for one launch shape: what the custom
-    op hands the kernels, which cannot take a Python object through ``torch.library``."""
+def tree_of_paths(K: int, paths: Sequence[Sequence[int]]) -> tuple[list[int], list[int]]:
+    """Each of ``K`` segments' level and parent segment as ``paths`` read them (``-1``: read by no row / a root;
+    ``-2``: the parent of an unread segment), or ``ValueError`` when the paths do not form a tree (a segment read at
+    two levels or after two parents, a segment outside ``0..K - 1`` or read twice by one row)."""
+    level, parent = [-1] * K, [-2] * K
+    for b, path in enumerate(paths):
+        if any(isinstance(j, bool) or not isinstance(j, int) or not 0 <= j < K for j in path):
+            raise ValueError(f"row {b}'s path {path} names a segment outside 0..{K - 1}")
+        if len(set(path)) != len(path):
+            raise ValueError(f"row {b}'s path {path} reads a segment twice")
+        for depth, j in enumerate(path):
+            up = path[depth - 1] if depth else -1
+            if level[j] == -1:
+                level[j], parent[j] = depth, up
+            elif level[j] != depth or parent[j] != up:
+                raise ValueError(f"segment {j} is read at level {depth} after segment {up} by row {b}, but at "
+                                 f"level {level[j]} after segment {parent[j]} by an earlier row: segments form a "
+                                 "tree (one level, one parent each)")
+    return level, parent
 
-    items: torch.Tensor  # [capacity, 7] int32 work items (ITEM_FIELDS)
-    rows: torch.Tensor  # [levels * B] int32 the rows of each (level, segment), consecutive
-    row_prefix: torch.Tensor  # [B] int32 each row's prefix length
-    depth: int
-    segments: int  # per level, as planned
+
+def paths_of_groups(groups) -> list[list[int]]:
+    """Per-row paths from per-row group indices: ``groups`` ``[B]`` (one level) or ``[B, levels]`` integers (a
+    tensor or nested lists), ``-1`` for none; level ``l`` of a row is read only if its level ``l - 1`` is."""
+    g = torch.as_tensor(groups)
+    if g.dtype.is_floating_point or g.dtype == torch.bool or g.dim() not in (1, 2):
+        raise ValueError(f"groups must be a [B] or [B, levels] integer tensor, got {g.dtype} {tuple(g.shape)}")
+    paths = []
+    for b, row in enumerate(g.reshape(g.shape[0], -1).tolist()):
+        path = []
+        for j in row:
+            if j < 0:
+                break
+            path.append(j)
+        if any(j >= 0 for j in row[len(path):]):
+            raise ValueError(f"row {b} has groups {row}: a level after a -1")
+        paths.append(path)
+    return paths
 
 
 class PrefixGroups:
@@ -71,21 +99,7 @@ class PrefixGroups:
         paths = tuple(tuple(p) for p in paths)
         if any(isinstance(n, bool) or not isinstance(n, int) or n < 0 for n in lengths):
             raise ValueError(f"segment lengths must be non-negative ints, got {lengths!r}")
-        K = len(lengths)
-        level, parent = [-1] * K, [-2] * K
-        for b, path in enumerate(paths):
-            if any(isinstance(j, bool) or not isinstance(j, int) or not 0 <= j < K for j in path):
-                raise ValueError(f"row {b}'s path {path} names a segment outside 0..{K - 1}")
-            if len(set(path)) != len(path):
-                raise ValueError(f"row {b}'s path {path} reads a segment twice")
-            for depth, j in enumerate(path):
-                up = path[depth - 1] if depth else -1
-                if level[j] == -1:
-                    level[j], parent[j] = depth, up
-                elif level[j] != depth or parent[j] != up:
-                    raise ValueError(f"segment {j} is read at level {depth} after segment {up} by row {b}, but at "
-                                     f"level {level[j]} after segment {parent[j]} by an earlier row: segments form a "
-                                     "tree (one level, one parent each)")
+        level, parent = tree_of_paths(len(lengths), paths)
         self.lengths, self.paths = lengths, paths
         self.levels = tuple(level)  # -1: read by no row
         self.parents = tuple(max(p, -1) for p in parent)
@@ -98,29 +112,13 @@ class PrefixGroups:
             self.__dict__["bases"] = tuple(bases)
         if prefix_lengths is not None:
             self.__dict__["prefix_lengths"] = tuple(prefix_lengths)
-        self._tables: dict[tuple, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
-        self._pinned: set[tuple] = set()
-        self._lock = threading.Lock()
+        self._tables = TableCache()  # the device tables built for this layout, per device and launch shape
 
     @classmethod
     def from_groups(cls, lengths: Sequence[int], groups) -> PrefixGroups:
         """From per-row group indices: ``groups`` ``[B]`` (one level) or ``[B, levels]`` integers (a tensor or nested
         lists), ``-1`` for none; level ``l`` of a row is read only if its level ``l - 1`` is."""
-        g = torch.as_tensor(groups)
-        if g.dtype.is_floating_point or g.dtype == torch.bool or g.dim() not in (1, 2):
-            raise ValueError(f"groups must be a [B] or [B, levels] integer tensor, got {g.dtype} {tuple(g.shape)}")
-        rows = g.reshape(g.shape[0], -1).tolist()
-        paths = []
-        for b, row in enumerate(rows):
-            path = []
-            for j in row:
-                if j < 0:
-                    break
-                path.append(j)
-            if any(j >= 0 for j in row[len(path):]):
-                raise ValueError(f"row {b} has groups {row}: a level after a -1")
-            paths.append(path)
-        return cls(lengths, paths)
+        return cls(lengths, paths_of_groups(groups))
 
     # -- derived ---------------------------------------------------------------------------------------------------
     @property
@@ -187,11 +185,7 @@ class PrefixGroups:
 
     def row_index(self, segment: int, device: torch.device) -> torch.Tensor:
         """``[rows]`` int64 on ``device``: the rows that read ``segment`` (built once per device)."""
-        key = ("rows", segment, device)
-        found = self._tables.get(key)
-        if found is None:
-            found = self._tables[key] = torch.tensor(self.segment_rows[segment], dtype=torch.int64, device=device)
-        return found
+        return self._tables.row_index(self, segment, device)
 
     def level_rows(self, level: int) -> list[tuple[int, list[int]]]:
         """``(segment or -1, rows)`` of one level, segments in packing order, then the rows that read none there."""
@@ -248,18 +242,7 @@ class PrefixGroups:
         included (its items write the empty partial), are consecutive in the row list. Items of one segment are
         adjacent, so programs that read the same prefix tiles run together. Padded to ``capacity`` items with empty
         ones (no rows, no keys)."""
-        items, row_list = [], []
-        for lvl in range(self.depth):
-            for seg, rows in self.level_rows(lvl):
-                start, n = len(row_list), len(rows) * folded
-                row_list.extend(rows)
-                off, length, base = (0, 0, 0) if seg < 0 else (self.offsets[seg], self.lengths[seg], self.bases[seg])
-                for first in range(0, n, block_m):
-                    items.append([off, length, base, start, n, first, lvl])
-        if len(items) > capacity:
-            raise ValueError(f"{len(items)} work items exceed the planned {capacity}")
-        items.extend([[0, 0, 0, 0, 0, 0, 0]] * (capacity - len(items)))
-        return items, row_list
+        return work_items(self, block_m, folded, capacity)
 
     def tables(self, device: torch.device, block_m: int, folded: int, capacity: int
                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -267,34 +250,13 @@ class PrefixGroups:
         once and cached (or the buffers ``pin`` placed there). While a CUDA graph is being captured only pinned
         buffers will do: a graph that recorded this object's own tables would read them in every later replay,
         whatever layout a later call has."""
-        key = (device, block_m, folded, capacity)
-        if key not in self._pinned and device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            raise ValueError("a CUDA graph over several prefixes needs their kernel tables pinned in buffers of its "
-                             "own (a static RelayCache pins them for its decode shape)")
-        found = self._tables.get(key)
-        if found is None:
-            with self._lock:
-                found = self._tables.get(key)
-                if found is None:
-                    items, rows = self.items(block_m, folded, capacity)
-                    found = tuple(torch.tensor(x, dtype=torch.int32).to(device) for x in
-                                  (items, rows or [0], list(self.prefix_lengths) or [0]))
-                    self._tables[key] = found
-        return found
+        return self._tables.tables(self, device, block_m, folded, capacity)
 
     def pin(self, device: torch.device, block_m: int, folded: int, capacity: int,
             buffers: tuple[torch.Tensor, torch.Tensor, torch.Tensor]) -> None:
         """Write this layout's tables for one launch shape into ``buffers`` (in place, so CUDA graphs recorded on
         them replay with this layout) and use them from now on."""
-        items, rows = self.items(block_m, folded, capacity)
-        for buf, values in zip(buffers, (items, rows, list(self.prefix_lengths))):
-            src = torch.tensor(values, dtype=torch.int32)
-            if src.numel() > buf.numel():
-                raise ValueError(f"a table of {src.numel()} entries does not fit its buffer of {buf.numel()}")
-            buf.view(-1)[:src.numel()].copy_(src.view(-1))
-        with self._lock:
-            self._tables[(device, block_m, folded, capacity)] = buffers
-            self._pinned.add((device, block_m, folded, capacity))
+        self._tables.pin(self, device, block_m, folded, capacity, buffers)
 
     def __repr__(self) -> str:
         return (f"PrefixGroups(rows={self.rows}, depth={self.depth}, segments={len(self.lengths)}, "

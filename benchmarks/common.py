@@ -32,6 +32,8 @@ KERNEL_FIELDS = [*RUN_FIELDS, "dtype", "H_q", "H_kv", "D", "L_s", "S", "B", "gro
                  *VALUE_FIELDS, "note"]
 GENERATE_FIELDS = [*RUN_FIELDS, "model", "dtype", "S", "U", "B", "groups", "new_tokens", "mode", "metric", "unit",
                    *VALUE_FIELDS, "relay_used", "relay_loop", "note"]
+SERVE_FIELDS = [*RUN_FIELDS, "model", "dtype", "S", "U", "R", "groups", "new_tokens", "mode", "arrival", "metric",
+                "unit", *VALUE_FIELDS, "relay_used", "note"]
 
 
 def _version(name: str) -> str:

@@ -153,3 +153,16 @@ def is_paged_cache(obj) -> bool:
     from transformers.generation.continuous_batching.cache import PagedAttentionCache
 
     return isinstance(obj, PagedAttentionCache)
+
+
+# -- serving ---------------------------------------------------------------------------------------------------------
+def serve_command():
+    """transformers' ``transformers serve`` command class (its options are its constructor's parameters)."""
+    from transformers.cli.serve import Serve
+
+    return Serve
+
+
+def serve_model_manager(serve):
+    """The model manager a ``transformers serve`` command instance loads its models through."""
+    return serve._model_manager

@@ -79,8 +79,7 @@ def plan_step(model, args, kwargs):
     state = model._relay_state
     plan = plan_paged_step(read[0], cu_q[:len(cu_k)], cu_k, max(1, state.min_prefix_length), read[0].device)
     if plan.shared_tokens:
-        rows = sum(b.rows for b in plan.blocks)
-        state.counters.add(relay_steps=1, relay_rows=rows,
+        state.counters.add(relay_steps=1, relay_rows=plan.decode.rows,
                            kv_bytes_not_reread=plan.shared_tokens * kv_bytes_per_token(model))
     kwargs = dict(kwargs, relay_plan=plan)
     if plan.read_index is not None:
@@ -119,10 +118,12 @@ class RelayContinuousBatching:
 
     def __init__(self, model):
         self.__self__ = model
-        self._hook = model.register_forward_pre_hook(plan_step, with_kwargs=True)
+        self._hook = None  # registered by the first manager relay serves (an unpickled model has no hooks yet)
 
     def remove_hook(self) -> None:
-        self._hook.remove()
+        if self._hook is not None:
+            self._hook.remove()
+            self._hook = None
 
     def __call__(self, generation_config=None, continuous_batching_config=None, *args, **kwargs):
         model = self.__self__
@@ -135,6 +136,8 @@ class RelayContinuousBatching:
             why = None if is_paged_name(current) else continuous_reason(model, continuous_batching_config)
             model.relay_continuous_reason = why
             if why is None:
+                if self._hook is None:
+                    self._hook = model.register_forward_pre_hook(plan_step, with_kwargs=True)
                 continuous_batching_config = _without_graphs(continuous_batching_config)
                 for config in _configs(model):
                     set_config_attn(config, paged_attention_name())

@@ -9,10 +9,11 @@ by some of its requests: two levels, as ``PrefixGroups``) and rewrites the read 
 each shared run once per step instead of once per request::
 
     read_index, stock:  | req 0: S S S a a | req 1: S S S b | req 2: c c c |
-    read_index, relay:  | S S S | rows of one query, left-padded [B_1, L_1] | rows of several, left-padded [B_n, L_n] |
+    read_index, relay:  | S S S | decoding requests' own rows, left-padded [B, L] | each prefilling request's whole KV |
 
-Relay attention then reads that packed prefix once for all its requests' queries, each request's own tokens
-separately, and merges them by log-sum-exp (``relay_attention``), exactly.
+Relay attention then reads that packed prefix once for all decoding requests, each one's own rows separately, and
+merges them by log-sum-exp (``relay_attention``), exactly. A request that prefills (a prompt or a chunk of one:
+compute-bound) attends over its whole KV as stock does.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+from torch.nn.attention.bias import causal_lower_right
 
 from .kernels import relay_attention
 from .kernels.groups import PrefixGroups
@@ -29,16 +31,13 @@ MAX_DEPTH = 2  # shared levels per request (PrefixGroups' tree): a system prompt
 
 @dataclass(frozen=True)
 class RowBlock:
-    """The requests of one step that share a query length class (one query each, or several: prefill chunks), laid
-    out left-padded in the rewritten KV. All index tensors live on the step's device.
+    """The requests of one step that decode (one query each), laid out left-padded in the rewritten KV after the
+    packed prefix. Index tensors live on the step's device.
 
     Attributes:
-        start: first position of the block in the rewritten KV (after the packed prefix).
+        start: first position of the block in the rewritten KV (the packed prefix's length).
         rows, length: ``B`` requests, each padded to ``length`` KV positions: the block spans ``B * length``.
-        query_index: ``[B, L_q]`` int64 positions of each request's queries in the step's packed queries, its own
-            last, left-padded with its first (padding outputs are dropped).
-        output_index: ``[n]`` int64 the packed query positions the block answers; ``output_from``: ``[n]`` int64
-            where each answer sits in the block's flattened ``[B * L_q]`` outputs.
+        query_index: ``[B]`` int64 each request's query position in the step's packed queries.
         suffix_lengths: ``[B]`` int32 each request's own KV positions (the last ones of its padded row).
         groups: which prefix segments each request reads, ``None`` when every request reads the whole packed prefix.
     """
@@ -47,8 +46,6 @@ class RowBlock:
     rows: int
     length: int
     query_index: torch.Tensor
-    output_index: torch.Tensor
-    output_from: torch.Tensor
     suffix_lengths: torch.Tensor
     groups: PrefixGroups | None
 
@@ -58,20 +55,22 @@ class PagedPlan:
     """One continuous-batching step laid out for relay attention (built once per step, read by every layer).
 
     Attributes:
-        read_index: ``[N]`` int64 the rewritten physical read index (``None`` when the step reads no cache: then
-            ``kv_index`` picks the layout from the new tokens themselves).
-        kv_index: ``[N]`` int64 positions in the step's new KV, or ``None``.
+        read_index: ``[N]`` int64 the rewritten physical read index, or ``None`` when the step reads no cache (only
+            fresh prefills: the KV is the new tokens, packed as the queries, and stays as it is).
         prefix_length: packed prefix positions at the front of the rewritten KV.
-        blocks: the ``RowBlock`` of each query length class present.
+        decode: the ``RowBlock`` of the requests with one query, or ``None``.
+        prefill: per request with several queries (a prompt, or a chunk of it), ``(q_start, q_end, kv_start,
+            kv_end)``: its queries and its whole KV (prefix included), contiguous in the rewritten KV. Prefill is
+            compute-bound: it attends stock's way (SDPA), a shared prefix gathered per request.
         tokens: query tokens of the step (``T``; positions no request owns get zeros).
-        shared_tokens: per step, KV positions (per layer and head) not read again because they are shared:
-            ``sum over segments of (readers - 1) * length``.
+        shared_tokens: KV positions (per layer and head) this step does not read again because decoding requests
+            share them: ``sum over segments of (readers - 1) * length``.
     """
 
     read_index: torch.Tensor | None
-    kv_index: torch.Tensor | None
     prefix_length: int
-    blocks: tuple[RowBlock, ...]
+    decode: RowBlock | None
+    prefill: tuple[tuple[int, int, int, int], ...]
     tokens: int
     shared_tokens: int
 
@@ -113,54 +112,48 @@ def _shared_segments(seqs: list[torch.Tensor], past: list[int], min_shared: int
 
 def plan_paged_step(read_index: torch.Tensor, cu_q: list[int], cu_k: list[int], min_shared: int,
                     device: torch.device) -> PagedPlan:
-    """Plan one step: find the shared runs and lay the KV out as the module docstring shows.
+    """Plan one step: find the runs decoding requests share and lay the KV out as the module docstring shows.
 
     Args:
         read_index: ``[N]`` int64 physical rows each request reads, request after request (CPU or device); empty
-            when the step reads no cache (fresh prefills only: the KV is the new tokens, packed as the queries).
+            when the step reads no cache.
         cu_q, cu_k: ``R + 1`` cumulative query and KV positions of the step's ``R`` requests (host ints).
         min_shared: shortest run worth reading once (``patch(min_prefix_length=...)``).
         device: where the step runs.
     """
-    reads_cache = read_index.numel() > 0
-    source = read_index.cpu() if reads_cache else torch.arange(cu_k[-1])
     R = len(cu_q) - 1
-    seqs = [source[cu_k[i]:cu_k[i + 1]] for i in range(R)]
     queries = [cu_q[i + 1] - cu_q[i] for i in range(R)]
-    past = [len(seqs[i]) - queries[i] if queries[i] else 0 for i in range(R)]
-    segments, paths = _shared_segments(seqs, past, min_shared) if reads_cache else ([], [[] for _ in seqs])
+    if read_index.numel() == 0:
+        prefill = tuple((cu_q[i], cu_q[i + 1], cu_k[i], cu_k[i + 1]) for i in range(R) if queries[i])
+        return PagedPlan(None, 0, None, prefill, cu_q[-1], 0)
+    source = read_index.cpu()
+    seqs = [source[cu_k[i]:cu_k[i + 1]] for i in range(R)]
+    decoding = [i for i in range(R) if queries[i] == 1]
+    segments, paths = _shared_segments([seqs[i] for i in decoding], [len(seqs[i]) - 1 for i in decoding],
+                                       min_shared)
     lengths = [n for _, _, n in segments]
-    own = [sum(lengths[j] for j in paths[i]) for i in range(R)]  # prefix positions of each request
-    parts = [seqs[o][off:off + n] for o, off, n in segments]
+    parts = [seqs[decoding[o]][off:off + n] for o, off, n in segments]
     start = sum(lengths)
-    blocks = []
-    for rows in ([i for i in range(R) if queries[i] == 1], [i for i in range(R) if queries[i] > 1]):
-        if not rows:
-            continue
-        L = max(len(seqs[i]) - own[i] for i in rows)
-        L_q = max(queries[i] for i in rows)
-        index, q_index, out_index, out_from = [], [], [], []
-        for b, i in enumerate(rows):
-            mine = seqs[i][own[i]:]
-            index.append(torch.cat([mine[:1].expand(L - len(mine)), mine]))  # padding repeats a row it reads
-            q = torch.arange(cu_q[i], cu_q[i + 1])
-            q_index.append(torch.cat([q[:1].expand(L_q - len(q)), q]))
-            out_index.append(q)
-            out_from.append(torch.arange(L_q - len(q), L_q) + b * L_q)
-        parts.extend(index)
-        paths_b = [paths[i] for i in rows]
+    block = None
+    if decoding:
+        own = [seqs[i][sum(lengths[j] for j in path):] for i, path in zip(decoding, paths)]
+        L = max(map(len, own))
+        parts += [torch.cat([mine[:1].expand(L - len(mine)), mine]) for mine in own]  # pads repeat a row it reads
         groups = None  # one segment every request reads: the plain (ungrouped) kernels
-        if segments and (len(segments) > 1 or any(p != [0] for p in paths_b)):
-            groups = PrefixGroups(lengths, paths_b)
-        blocks.append(RowBlock(
-            start, len(rows), L, torch.stack(q_index).to(device), torch.cat(out_index).to(device),
-            torch.cat(out_from).to(device),
-            torch.tensor([len(seqs[i]) - own[i] for i in rows], dtype=torch.int32, device=device), groups))
-        start += len(rows) * L
-    layout = torch.cat(parts).to(device) if parts else torch.zeros(0, dtype=torch.int64, device=device)
+        if segments and (len(segments) > 1 or any(p != [0] for p in paths)):
+            groups = PrefixGroups(lengths, paths)
+        block = RowBlock(start, len(decoding), L, torch.tensor([cu_q[i] for i in decoding], device=device),
+                         torch.tensor([len(m) for m in own], dtype=torch.int32, device=device), groups)
+        start += len(decoding) * L
+    prefill = []
+    for i in range(R):
+        if queries[i] > 1:
+            parts.append(seqs[i])
+            prefill.append((cu_q[i], cu_q[i + 1], start, start + len(seqs[i])))
+            start += len(seqs[i])
     readers = [sum(j in p for p in paths) for j in range(len(segments))]
-    return PagedPlan(layout if reads_cache else None, None if reads_cache else layout, sum(lengths), tuple(blocks),
-                     cu_q[-1], sum((r - 1) * n for r, n in zip(readers, lengths)))
+    return PagedPlan(torch.cat(parts).to(device), sum(lengths), block, tuple(prefill), cu_q[-1],
+                     sum((r - 1) * n for r, n in zip(readers, lengths)))
 
 
 def paged_relay_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, plan: PagedPlan, *,
@@ -176,21 +169,37 @@ def paged_relay_attention(query: torch.Tensor, key: torch.Tensor, value: torch.T
     Returns:
         ``[1, T', H_q, D_v]`` (an attention function's layout); positions no request owns are zeros.
     """
-    if plan.kv_index is not None:
-        key, value = key[:, :, plan.kv_index], value[:, :, plan.kv_index]
     H_q, T = query.shape[1], query.shape[2]
     D_v = value.shape[-1]
-    P = plan.prefix_length
-    prefix_key, prefix_value = key[:, :, :P], value[:, :, :P]  # [1, H_kv, P, D]
     out = query.new_zeros(T, H_q, D_v)
-    for blk in plan.blocks:
+    blk = plan.decode
+    if blk is not None:
+        P = plan.prefix_length
         span = slice(blk.start, blk.start + blk.rows * blk.length)
         # [H_kv, B * L, D] -> [B, H_kv, L, D]: a view (the gathered KV is token-major)
         suffix_key = key[0, :, span].unflatten(1, (blk.rows, blk.length)).transpose(0, 1)
         suffix_value = value[0, :, span].unflatten(1, (blk.rows, blk.length)).transpose(0, 1)
-        q = query[0][:, blk.query_index].transpose(0, 1)  # [B, H_q, L_q, D]
-        o = relay_attention(q, prefix_key, prefix_value, suffix_key, suffix_value, scale=scale,
+        q = query[0][:, blk.query_index].transpose(0, 1).unsqueeze(2)  # [B, H_q, 1, D]
+        o = relay_attention(q, key[:, :, :P], value[:, :, :P], suffix_key, suffix_value, scale=scale,
                             suffix_lengths=blk.suffix_lengths, softcap=softcap, sinks=sinks,
-                            prefix_groups=blk.groups)  # [B, H_q, L_q, D_v]
-        out.index_copy_(0, blk.output_index, o.transpose(1, 2).reshape(-1, H_q, D_v)[blk.output_from])
+                            prefix_groups=blk.groups)  # [B, H_q, 1, D_v]
+        out[blk.query_index] = o[:, :, 0]
+    for q_start, q_end, kv_start, kv_end in plan.prefill:
+        out[q_start:q_end] = _prefill_attention(query[:, :, q_start:q_end], key[:, :, kv_start:kv_end],
+                                                value[:, :, kv_start:kv_end], scale, softcap, sinks)
     return out.unsqueeze(0)
+
+
+def _prefill_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float | None,
+                       softcap: float | None, sinks: torch.Tensor | None) -> torch.Tensor:
+    """One request's queries ``[1, H_q, L_q, D]`` over its whole KV ``[1, H_kv, L_k, D]``, causal with the queries
+    last: SDPA, as stock's continuous batching (relay's exact kernels where SDPA lacks the softcap or sinks).
+    Returns ``[L_q, H_q, D_v]``."""
+    if softcap is None and sinks is None:
+        out = torch.nn.functional.scaled_dot_product_attention(
+            query, key, value, attn_mask=causal_lower_right(query.shape[2], key.shape[2]), scale=scale,
+            enable_gqa=True)
+    else:
+        empty = key[:, :, :0]
+        out = relay_attention(query, empty, value[:, :, :0], key, value, scale=scale, softcap=softcap, sinks=sinks)
+    return out[0].transpose(0, 1)

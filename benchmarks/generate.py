@@ -23,7 +23,10 @@ Every number is the wall time of whole ``generate`` calls, the device synchronis
 hooked inside relay_hf or transformers. Per (mode, S, B) point, in this order:
 
 * ``cold_first_call`` (s): the first N-token call at this point (compilation and graph capture of a new shape).
-* ``ttft`` (s): a warm 1-token call (prefill and the first token).
+* ``ttft`` (s): a warm 1-token call (prefill and the first token; relay modes: the system prompt kept by an earlier
+  call, ``patch(model, prefix_cache_bytes=...)``); ``ttft_new_prompt`` (s, relay modes): the same call with the
+  system prompt prefilled again (``relay_hf.clear_prefixes`` before it); ``ttft_one_row`` (s): a warm 1-token call of
+  the first row alone (a chat turn under the kept system prompt).
 * ``step`` (ms): warm greedy decode step, ``(wall(N) - wall(M)) / (N - M)`` with M = ``--short-tokens`` (N/4, at
   least 2): both calls run the same decode loop, so its per-call setup cancels and only the N - M extra steps
   remain. ``tok_per_s`` = B / step; ``bandwidth`` (GB/s) = the weights plus the KV the mode reads in the middle
@@ -233,6 +236,14 @@ def generate_point(model, mode: str, S: int, B: int, U: int, N: int, M: int, rep
         if "ttft" in only:
             call(1)
             add("ttft", "s", summary(call(1) for _ in range(reps)), decision())
+            if relay_hf.is_patched(model):  # the same call with the system prompt prefilled again
+                def new_prompt() -> float:
+                    relay_hf.clear_prefixes(model)
+                    return call(1)
+                add("ttft_new_prompt", "s", summary(new_prompt() for _ in range(reps)), decision())
+            one = {k: v[:1] for k, v in inputs.items()}  # a chat turn: one row under the (kept) system prompt
+            call(1, rows=one)
+            add("ttft_one_row", "s", summary(call(1, rows=one) for _ in range(reps)), decision())
         if "step" in only:
             step = summary(steps())
             greedy = decision()

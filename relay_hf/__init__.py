@@ -9,7 +9,7 @@ from importlib.metadata import PackageNotFoundError, version
 from .cache import RelayCache
 from .generate import RelayFallbackWarning
 from .kernels import relay_attention
-from .patch import is_patched, patch, unpatch
+from .patch import clear_prefixes, is_patched, patch, unpatch
 from .pipeline import pipeline
 from .policy import RelayDecision
 from .stats import RelayStats, stats
@@ -19,5 +19,5 @@ try:
 except PackageNotFoundError:  # pragma: no cover - running from a source tree that was never installed
     __version__ = "0+unknown"
 
-__all__ = ["RelayCache", "RelayDecision", "RelayFallbackWarning", "RelayStats", "is_patched", "patch", "pipeline",
-           "relay_attention", "stats", "unpatch"]
+__all__ = ["RelayCache", "RelayDecision", "RelayFallbackWarning", "RelayStats", "clear_prefixes", "is_patched",
+           "patch", "pipeline", "relay_attention", "stats", "unpatch"]

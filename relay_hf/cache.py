@@ -65,6 +65,7 @@ class RelayCache(Cache):
         self.config = config
         self.tree = tree
         self._groups = None  # a fork's PrefixGroups (every layer reads through it, or its windowed view)
+        self.kept_tokens = 0  # prefix tokens taken from a prefix store instead of a prefill (from_tree)
 
     @property
     def prefix_ids(self) -> torch.Tensor | None:
@@ -98,11 +99,14 @@ class RelayCache(Cache):
         return cls(model.config, kv, tree=tree, windows=windows)
 
     @classmethod
-    def from_tree(cls, model, tree: PrefixTree) -> RelayCache:
+    def from_tree(cls, model, tree: PrefixTree, store=None, depends=None) -> RelayCache:
         """Prefill the segments of ``tree`` (roots at position 0, each child after its parent's KV) at batch 1 and
-        pack them (``prefill.prefill_tree``)."""
-        kv, windows = prefill_tree(model, tree)
-        return cls(model.config, kv, tree=tree, windows=windows)
+        pack them (``prefill.prefill_tree``; segments kept in ``store`` are not prefilled again: ``kept_tokens``
+        says how many tokens came from it)."""
+        kv, windows, kept = prefill_tree(model, tree, store, depends)
+        cache = cls(model.config, kv, tree=tree, windows=windows)
+        cache.kept_tokens = kept
+        return cache
 
     @classmethod
     def combine(cls, caches) -> RelayCache:
@@ -246,6 +250,7 @@ class StaticRelayCache(RelayCache):
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self._tables: dict = {}  # window (0: none) -> the pinned tables of that view
+        self._filled_from: list | None = None  # per layer (prefix keys, version), (values, version) copied in last
 
     @classmethod
     def fork_of(cls, base: RelayCache, max_suffix_length: int, suffix_padding: torch.Tensor | None, paths,
@@ -260,6 +265,7 @@ class StaticRelayCache(RelayCache):
         fork.layers = [StaticRelayLayer(*_static_prefix(lay, groups), max_suffix_length, suffix_padding,
                                         window=lay.window, full_lengths=lay.full_lengths) for lay in base.layers]
         fork._set_groups(None if groups is None else base.groups_for(paths, _segment_capacity(groups)))
+        fork._filled_from = [(t, t._version) for src in base.layers for t in (src.prefix_keys, src.prefix_values)]
         return fork
 
     def _set_groups(self, groups: PrefixGroups | None) -> dict[int, PrefixGroups | None]:
@@ -311,14 +317,20 @@ class StaticRelayCache(RelayCache):
         groups = None
         if paths is not None:
             groups = base.groups_for(paths, self._groups and self._groups.segments_per_level)
+        # the same kept prefix as the last fill (a prefix store hit hands the very same tensors): nothing to copy
+        source = [(t, t._version) for src in base.layers for t in (src.prefix_keys, src.prefix_values)]
+        same = self._filled_from is not None and all(
+            t is u and v == w for (t, v), (u, w) in zip(source, self._filled_from))
         for lay, src in zip(self.layers, base.layers):
             P = src.prefix_keys.shape[2]
-            lay.prefix_keys[:, :, :P].copy_(src.prefix_keys)
-            lay.prefix_values[:, :, :P].copy_(src.prefix_values)
+            if not same:
+                lay.prefix_keys[:, :, :P].copy_(src.prefix_keys)
+                lay.prefix_values[:, :, :P].copy_(src.prefix_values)
             lay.suffix_padding = suffix_padding
             lay.full_lengths = src.full_lengths
             lay.reset()
         self.tree = base.tree
+        self._filled_from = source
         self._set_groups(groups)
 
 

@@ -13,6 +13,7 @@ Per call: ``policy.decide`` plans relay or stock. Stock runs the class's own ``g
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import logging
 import re
@@ -27,9 +28,11 @@ from transformers.generation.streamers import BaseStreamer
 from ._compat import cache_kwarg_name, output_cache
 from .cache import RelayCache
 from .decode import fast_generate
-from .policy import CACHE_NAMES, Plan, RelayDecision, decide
+from .policy import CACHE_NAMES, NOT_PATCHED, Plan, RelayDecision, decide, prefix_store
+from .prefill import segment_key
 from .prefix import RowLayout, relay_layout
 from .state import StaticSlot
+from .stats import kv_bytes_per_token
 
 logger = logging.getLogger("relay_hf")
 
@@ -163,8 +166,11 @@ def _run_relay(model, stock, call: dict, plan: Plan):
     grouping = plan.grouping
     layout = relay_layout(plan.ids, plan.mask, plan.n_pad, grouping.prefix_lengths())
     base = plan.user_cache
-    if base is None:
-        base = RelayCache.from_tree(model, grouping.tree)  # each shared segment prefilled once, at batch 1
+    if base is None:  # each shared segment prefilled once, at batch 1, or taken from the model's prefix store
+        store, depends = prefix_store(model)
+        base = RelayCache.from_tree(model, grouping.tree, store, depends)
+        if store is not None:
+            store.trim(keep=[segment_key(grouping.tree, j) for j in range(len(grouping.tree.ids))])
     per_input = plan.rows // plan.ids.shape[0]  # beams / return sequences
     pads = layout.suffix_padding.to(torch.int32).repeat_interleave(per_input)  # [R]
     paths = [p for p in grouping.paths for _ in range(per_input)] if plan.grouped else None
@@ -184,7 +190,7 @@ def _run_relay(model, stock, call: dict, plan: Plan):
                 out = fast_generate(model, layout.ids, layout.mask, plan.ids, slot, plan.sampler,
                                     None if streamer is None else _StreamerView(streamer, layout),
                                     plan.compile_config, plan.new_tokens, rows_per_input=per_input, stop=stop)
-            return layout.to_stock(out)
+            return layout.to_stock(out), base.kept_tokens
         call = {k: v for k, v in call.items() if k not in ("inputs", "input_ids", *CACHE_NAMES)}
         if plan.gen.cache_implementation is not None:  # from the call, its config or the model's: ours is the cache
             call["cache_implementation"] = None
@@ -199,9 +205,9 @@ def _run_relay(model, stock, call: dict, plan: Plan):
         if slot is not None and (out is None or output_cache(out) is not slot.cache):
             model._relay_state.give_back_static(slot)
     if isinstance(out, torch.Tensor):
-        return layout.to_stock(out)
+        return layout.to_stock(out), base.kept_tokens
     out.sequences = layout.to_stock(out.sequences)
-    return out
+    return out, base.kept_tokens
 
 
 def relay_generate(model, *args, **kwargs):
@@ -219,16 +225,34 @@ def relay_generate(model, *args, **kwargs):
         if not plan.expected:
             _warn_fallback(plan)
         kwargs = {k: v for k, v in kwargs.items() if not (k in CACHE_NAMES and isinstance(v, RelayCache))}
+        if plan.reason != NOT_PATCHED:
+            model._relay_state.counters.add(stock_calls=1)
         return stock(*args, **kwargs)
     logger.debug("relay_hf: relay generate, prefix %d tokens, %d rows, groups %s", plan.prefix_length, plan.rows,
                  model.relay_last_decision.groups)
     try:
-        return _run_relay(model, stock, call, plan)
+        out, kept = _run_relay(model, stock, call, plan)
     except BaseException as err:
         model.relay_last_decision = RelayDecision(False, f"relay run failed: {type(err).__name__}: {err}",
                                                   plan.prefix_length, plan.rows, plan.static,
                                                   groups=model.relay_last_decision.groups)
         raise
+    model.relay_last_decision = dataclasses.replace(model.relay_last_decision, prefix_kept=kept)
+    _count(model, plan, out, kept)
+    return out
+
+
+def _count(model, plan: Plan, out, kept: int) -> None:
+    """``relay_hf.stats`` of a relay call: its decode steps (one per new token), the prefix KV bytes they did not
+    read again (each shared segment read once instead of once per row that reads it), and a store hit."""
+    sequences = out if isinstance(out, torch.Tensor) else out.sequences
+    steps = max(0, sequences.shape[1] - plan.ids.shape[1] - 1)  # the first token comes from the prefill
+    shared = sum((rows - 1) * tokens for _, rows, tokens in model.relay_last_decision.groups)
+    if not model.relay_last_decision.groups:
+        shared = (plan.rows - 1) * plan.prefix_length
+    model._relay_state.counters.add(
+        relay_steps=steps, relay_rows=steps * plan.rows, kv_bytes_not_reread=steps * shared * kv_bytes_per_token(model),
+        prefix_hits=int(kept > 0), prefill_tokens_saved=kept)
 
 
 class RelayGenerate:

@@ -42,14 +42,15 @@ from transformers.pipelines import PIPELINE_REGISTRY
 from ._compat import cache_kwarg_name, chat_messages, pipeline_chat
 from .cache import RelayCache
 from .patch import hold_patch
-from .policy import CACHE_NAMES, keep_reason
-from .prefix import common_prefix_length, left_padding
-from .store import PrefixStore, kv_dependencies
+from .policy import CACHE_NAMES, keep_reason, prefix_store
+from .prefill import segment_key, segment_nbytes
+from .prefix import PrefixTree, common_prefix_length, left_padding
+from .state import relay_state
+from .store import PrefixStore
 
 TASK = "relay-text-generation"
 # two user turns that differ from their first character, to find where the rendered conversations diverge
 _PROBES = ("A", "7")
-DEFAULT_PREFIX_CACHE_BYTES = 1 << 30  # prefilled system prompts kept between calls (the least recently used go first)
 _SYSTEM = "relay_system_prompt"  # the key under which preprocessing hands a row's system prompt to _forward
 _NO_SYSTEM = object()  # a call-time system_prompt that was not given
 
@@ -81,16 +82,17 @@ class RelayTextGenerationPipeline(TextGenerationPipeline):
     """
 
     def __init__(self, model, tokenizer=None, *args, system_prompt: str | None = None,
-                 prefix_cache_bytes: int = DEFAULT_PREFIX_CACHE_BYTES, **kwargs):
+                 prefix_cache_bytes: int | None = None, **kwargs):
         if system_prompt is not None and not isinstance(system_prompt, str):
             raise ValueError("a pipeline's system_prompt is one string (a list per input goes with the call)")
-        # rendered prefix ids -> prefilled RelayCache (one prefill per prompt however many threads call); built
-        # first, so a bad budget is refused before the model is touched
-        self._store = PrefixStore(prefix_cache_bytes, _nbytes)
+        if prefix_cache_bytes is not None:  # refused before the model is touched
+            PrefixStore(prefix_cache_bytes, segment_nbytes)
         super().__init__(model, _left_padding_tokenizer(tokenizer), *args, **kwargs)
         self._system_prompt = system_prompt
         self._lock = threading.RLock()
         release = hold_patch(self.model)
+        if prefix_cache_bytes is not None and relay_state(self.model) is not None:
+            self.prefix_cache_bytes = prefix_cache_bytes
         self._finalizer = weakref.finalize(self, release) if release is not None else None
         if self._finalizer is not None:
             self._finalizer.atexit = False  # at interpreter exit nothing needs restoring
@@ -106,20 +108,34 @@ class RelayTextGenerationPipeline(TextGenerationPipeline):
         self._system_prompt = value
 
     @property
+    def _store(self) -> PrefixStore | None:
+        """The model's prefix store (``patch(model, prefix_cache_bytes=...)``), which ``generate`` keeps its
+        prefixes in too; ``None`` once the model is not patched."""
+        state = relay_state(self.model)
+        return None if state is None else state.store
+
+    @property
     def prefix_cache_bytes(self) -> int:
-        """Bytes of prefilled system prompts kept between calls (validated, and the store trimmed, when set)."""
-        return self._store.budget_bytes
+        """Bytes of prefilled prefixes the model keeps between calls, this pipeline's and its ``generate``'s
+        (validated, and the store trimmed, when set)."""
+        return 0 if self._store is None else self._store.budget_bytes
 
     @prefix_cache_bytes.setter
     def prefix_cache_bytes(self, value: int) -> None:
-        self._store.budget_bytes = value
-        self._store.trim()
+        store = self._store
+        if store is None:
+            PrefixStore(value, segment_nbytes)  # validated all the same
+            return
+        store.budget_bytes = value
+        relay_state(self.model).prefix_cache_bytes = value
+        store.trim()
 
     def close(self) -> None:
         """Drop the prefilled system prompts and let go of the patch this pipeline applied (see the class docstring);
         once the patch is undone, calls run stock ``generate``."""
         with self._lock:
-            self._store.clear()
+            if self._store is not None and self._finalizer is not None:  # the patch is this pipeline's
+                self._store.clear()
         if self._finalizer is not None:
             self._finalizer()
 
@@ -210,30 +226,35 @@ class RelayTextGenerationPipeline(TextGenerationPipeline):
         system_prompt = self._system_prompt if system_prompt is None else system_prompt
         return self._caches_for([system_prompt])[0][0] if system_prompt is not None else None
 
-    def _caches_for(self, system_prompts) -> tuple[list[RelayCache | None], list[tuple[int, ...]]]:
-        """One prefilled ``RelayCache`` per system prompt (``None`` where it has no prefix, or no prefix may be kept
-        now: ``policy.keep_reason``), from the kept ones where they were built for the model as it is now; then the
-        least recently used are dropped down to ``prefix_cache_bytes`` (these excepted). Also returns the store keys
-        of the caches, for the call to hold while it runs."""
+    def _caches_for(self, system_prompts) -> tuple[list[RelayCache | None], list[bytes]]:
+        """One ``RelayCache`` per system prompt (``None`` where it has no prefix, or no prefix may be kept now:
+        ``policy.keep_reason``), its KV taken from the model's prefix store where it was kept for the model as it is
+        now, else prefilled and kept; then the least recently used are dropped down to ``prefix_cache_bytes`` (these
+        excepted). Also returns their store keys."""
         with self._lock:
             if keep_reason(self.model) is not None:
                 return [None for _ in system_prompts], []
-            depends = kv_dependencies(self.model)
+            store, depends = prefix_store(self.model)
             out, used = [], []
             for system_prompt in system_prompts:
                 ids = self.prefix_ids(system_prompt)
                 if ids is None:
                     out.append(None)
                     continue
-                key = tuple(ids.tolist())
-                out.append(self._store.get(key, depends, lambda ids=ids: RelayCache.from_prefix(self.model, ids)))
-                used.append(key)
-            self._store.trim(keep=used)
+                tree = PrefixTree.from_prefixes([ids])
+                cache = RelayCache.from_tree(self.model, tree, store, depends)
+                if cache.kept_tokens:
+                    relay_state(self.model).counters.add(prefix_hits=1, prefill_tokens_saved=cache.kept_tokens)
+                out.append(cache)
+                used.append(segment_key(tree, 0))
+            if store is not None:
+                store.trim(keep=used)
             return out, used
 
     def kept_system_prompts(self) -> int:
-        """How many prefilled system prompts the pipeline keeps now."""
-        return len(self._store)
+        """How many prefilled prefixes the model keeps now (this pipeline's system prompts, and what its
+        ``generate`` keeps)."""
+        return 0 if self._store is None else len(self._store)
 
     def _forward(self, model_inputs, **generate_kwargs):
         system_prompts = model_inputs.pop(_SYSTEM, None)
@@ -247,12 +268,23 @@ class RelayTextGenerationPipeline(TextGenerationPipeline):
             caches, used = self._caches_for(distinct)
             if all(c is not None for c in caches):
                 # one cache holding them all (a job whose batches mix the same few prompts packs them once)
-                cache = caches[0] if len(caches) == 1 else self._store.packed(used, RelayCache.combine)
+                cache = caches[0] if len(caches) == 1 else self._packed(used, caches)
                 n_pad = left_padding(mask if mask is not None else torch.ones_like(ids))
                 if n_pad is not None and _matches(cache, ids, n_pad):
                     generate_kwargs[cache_kwarg_name(self.model)] = cache
-        with self._store.holding(used):  # another thread's batch does not evict this one's prompts meanwhile
+        store = self._store
+        if store is None or not used:
             return super()._forward(model_inputs, **generate_kwargs)
+        with store.holding(used):  # another thread's batch does not evict this one's prompts meanwhile
+            return super()._forward(model_inputs, **generate_kwargs)
+
+    def _packed(self, keys: list[bytes], caches: list[RelayCache]) -> RelayCache:
+        """The system prompts of one batch packed into one cache, kept while its prompts are (``store.packed``): a
+        job whose batches mix the same few prompts packs them once."""
+        store = self._store
+        if store is None or not all(k in store for k in keys):
+            return RelayCache.combine(caches)
+        return store.packed(keys, lambda _: RelayCache.combine(caches))
 
 
 class _ItemDataset(torch.utils.data.Dataset):
@@ -291,8 +323,7 @@ def _is_chat(value) -> bool:
     return chat_messages(value) is not None
 
 
-def _nbytes(cache: RelayCache) -> int:
-    return cache.prefix_nbytes() if isinstance(cache, RelayCache) else 0
+
 
 
 def _matches(cache: RelayCache, ids: torch.Tensor, n_pad: torch.Tensor) -> bool:

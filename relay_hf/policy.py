@@ -30,6 +30,7 @@ from .decode import DEFAULT_DECODE, Sampler, loop_sampler
 from .names import is_relay_name
 from .prefill import layer_windows, trim_window
 from .prefix import Grouping, PrefixTree, common_prefix_length, find_groups, left_padding
+from .store import kv_dependencies
 
 # rows * prefix tokens below which the CUDA relay kernel is not measured to beat SDPA over the expanded prefix
 # (B=8, S=512: 1.31x; docs/performance.md, kernel table)
@@ -64,6 +65,7 @@ _LOOP_ARGS = {"inputs", "input_ids", "attention_mask", "generation_config", "str
               "compile_config"}
 DECODE_MODES = ("auto", "graph", "compile", "eager")
 TRAINING = "the model is in training mode (call model.eval())"
+NOT_PATCHED = "the model is not patched (relay_hf.patch)"
 
 
 @dataclass
@@ -73,7 +75,8 @@ class RelayDecision:
     segment ``(level, rows, tokens)`` (level 0: a system prompt; level 1: a block some of its rows share);
     ``static``: it ran on a static (compileable) ``RelayCache``; ``fast_decode``: relay_hf's own decode loop (CUDA
     graphs per step on CUDA, no host sync per token) ran it, else transformers' loop did (``loop_reason`` says
-    why)."""
+    why); ``prefix_kept``: shared tokens taken from the model's prefix store (kept from an earlier call) instead of
+    prefilled."""
 
     used: bool
     reason: str
@@ -83,6 +86,7 @@ class RelayDecision:
     fast_decode: bool = False
     loop_reason: str = ""
     groups: tuple[tuple[int, int, int], ...] = ()
+    prefix_kept: int = 0
 
 
 @dataclass(frozen=True, eq=False)
@@ -155,13 +159,22 @@ def model_reason(model) -> str | None:
     attention implementation after it), or ``None``."""
     state = model.__dict__.get("_relay_state")
     if state is None:
-        return "the model is not patched (relay_hf.patch)"
+        return NOT_PATCHED
     if state.declined is not None:
         return state.declined
     name = attn_implementation(model.config)
     if not is_relay_name(name):
         return f"the model's attention implementation was set to {name!r} after relay_hf.patch"
     return None
+
+
+def prefix_store(model):
+    """``(store, depends)``: the model's prefix store and what its entries must have been built under, when this call
+    may read and keep prefixes there; ``(None, None)`` when it may not (``keep_reason``) or keeps nothing (budget 0)."""
+    store = model._relay_state.store
+    if store.budget_bytes == 0 or keep_reason(model) is not None:
+        return None, None
+    return store, kv_dependencies(model)
 
 
 def continuous_reason(model, cb_config) -> str | None:
@@ -319,12 +332,34 @@ def check_cache(model, cache: RelayCache, ids: torch.Tensor, n_pad: torch.Tensor
     return Grouping(cache.tree, tuple(cache.tree.match(ids, n_pad, allow_none)))
 
 
+def kept_prefix(model, row: torch.Tensor) -> torch.Tensor | None:
+    """The longest prefix the model's store keeps from position 0 that ``row`` (``[T]`` ids, no padding) starts with
+    and that leaves it a token and is at least ``min_prefix_length`` long, or ``None``: a one-row call (a chat turn)
+    under a system prompt an earlier call kept reads it instead of prefilling it again."""
+    store = model._relay_state.store
+    if not len(store) or keep_reason(model) is not None:  # (whether it was kept for the model as it is now, the
+        return None                                        # prefill's store lookup checks)
+    best = None
+    for start, key in store.keys():
+        n = len(key) // 8  # int64 ids
+        if start or not max(1, model._relay_state.min_prefix_length) <= n < row.numel():
+            continue
+        if best is None or n > best.numel():
+            ids = torch.frombuffer(bytearray(key), dtype=torch.int64)
+            if torch.equal(row[:n].cpu(), ids):
+                best = ids
+    return best
+
+
 def batch_grouping(model, ids: torch.Tensor, n_pad: torch.Tensor, rows: int, captured: bool) -> Grouping:
     """What this batch's rows share (``prefix.find_groups``), or raise ``RunStock`` with why relay does not pay. One
     input row shares nothing; on the captured loop it still runs relay with its prompt but the last token as the
     prefix."""
     state = model._relay_state
     B = ids.shape[0]
+    kept = kept_prefix(model, ids[0, int(n_pad[0]):]) if B == 1 else None
+    if kept is not None:  # a chat turn under a kept system prompt: only the rest is prefilled
+        return Grouping(PrefixTree((kept,), (-1,)), ((0,),))
     if B == 1:
         P = int(ids.shape[1] - n_pad[0]) - 1 if captured or rows > 1 else 0
         grouping = None if P < 1 else Grouping(PrefixTree((ids[0, int(n_pad[0]):int(n_pad[0]) + P].cpu(),), (-1,)),

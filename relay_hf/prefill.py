@@ -9,6 +9,8 @@ its segments and the window each layer was trimmed for.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 from transformers.cache_utils import DynamicCache
 
@@ -45,16 +47,38 @@ def prefill_prefixes(model, prefixes, names: list[str] | None = None) -> tuple[K
         raise ValueError("prefixes must be a non-empty list of token id sequences")
     names = names or [f"prefixes[{i}]" for i in range(len(prefixes))]
     tree = PrefixTree.from_prefixes([_prefix_ids(p, name) for p, name in zip(prefixes, names)])
-    kv, windows = prefill_tree(model, tree)
+    kv, windows, _ = prefill_tree(model, tree)
     return kv, tree, windows
 
 
+class Prefilled(NamedTuple):
+    """What ``prefill_tree`` returns: per layer the packed prefix keys / values ``[1, H_kv, P_packed, D]`` (every
+    segment, trimmed where the layer's window allows), the window each layer was trimmed for (``None``: stored
+    whole), and how many of the tree's tokens came from a store instead of a prefill."""
+
+    kv: KV
+    windows: list[int | None]
+    kept_tokens: int = 0
+
+
+def segment_key(tree: PrefixTree, j: int) -> tuple[int, bytes]:
+    """A store key of segment ``j``: where it starts and its full prefix's token ids (its KV depends on all of them;
+    a kept entry holds its own positions only, so a root and a child of the same ids are different entries)."""
+    return tree.starts()[j], tree.full_ids(j).numpy().tobytes()
+
+
+def segment_nbytes(states) -> int:
+    """Bytes of one kept segment's per-layer keys and values."""
+    return sum(k.nbytes + v.nbytes for k, v in states)
+
+
 @torch.no_grad()
-def prefill_tree(model, tree: PrefixTree) -> tuple[KV, list[int | None]]:
+def prefill_tree(model, tree: PrefixTree, store=None, depends=None) -> Prefilled:
     """Prefill the segments of ``tree`` (roots at position 0, each child after its parent's KV) at batch 1.
 
-    Returns ``(kv, windows)``: per layer the packed prefix keys / values ``[1, H_kv, P_packed, D]`` (every segment,
-    trimmed where the layer's window allows), and the window each layer was trimmed for (``None``: stored whole).
+    ``store`` (a ``store.PrefixStore`` of segments, with the model's ``kv_dependencies`` as ``depends``): each
+    segment's KV is taken from it where kept (a system prompt kept from an earlier call; a new document under it then
+    prefills alone, after the kept prompt's KV) and kept there once prefilled.
     """
     text_config = model.config.get_text_config(decoder=True)
     max_pos = getattr(text_config, "max_position_embeddings", None)
@@ -63,31 +87,51 @@ def prefill_tree(model, tree: PrefixTree) -> tuple[KV, list[int | None]]:
         raise ValueError(f"prefix of {longest} tokens is longer than the model's max_position_embeddings "
                          f"({max_pos})")
     name = cache_kwarg_name(model)
-    done: dict[int, DynamicCache] = {}
-    for j in sorted(range(len(tree.ids)), key=lambda j: len(tree.path(j))):  # parents first
+    states: dict[int, list] = {}  # per segment, per layer (keys, values) of its own positions
+    kept = 0
+
+    def prefill(j: int) -> list:
         scratch = DynamicCache()  # no config: plain full layers, nothing windowed away
-        parent = tree.parents[j]
-        if parent >= 0:  # continue after the parent's keys (copied in: the parent's own tensors stay as they are)
-            for i, (k, v) in enumerate(_kv(done[parent])):
-                scratch.update(k, v, i)
+        for i, (k, v) in enumerate(_ancestors_kv(tree, j, states)):  # continue after the ancestors' KV (copied)
+            scratch.update(k, v, i)
+        skip = tree.starts()[j]
         model.base_model(input_ids=tree.ids[j][None].to(model.device), use_cache=True, **{name: scratch})
-        done[j] = scratch
+        # its own positions, compact (a child's slice would keep the copied ancestors alive)
+        return [(k[:, :, skip:].contiguous(), v[:, :, skip:].contiguous()) for k, v in _kv(scratch)]
+
+    for j in sorted(range(len(tree.ids)), key=lambda j: len(tree.path(j))):  # parents first
+        if store is None:
+            states[j] = prefill(j)
+            continue
+        misses = store.misses
+        states[j] = store.get(segment_key(tree, j), depends, lambda j=j: prefill(j))
+        kept += tree.lengths[j] if store.misses == misses else 0
     # a sliding-window layer keeps of each segment only what a query after it can see (its last window - 1
     # tokens), where that saves enough; every other layer keeps it all
     windows = [trim_window(w, tree.lengths) for w in layer_windows(model)]
-    ends = [start + n for start, n in zip(tree.starts(), tree.lengths)]
-    states = [_kv(done[j]) for j in range(len(tree.ids))]  # per segment, per layer (keys, values)
     kv = []
     for i, window in enumerate(windows):
         parts = []
         for j, keep in enumerate(window_kept(tree.lengths, window)):
             k, v = states[j][i]
-            parts.append((k[:, :, ends[j] - keep:ends[j]], v[:, :, ends[j] - keep:ends[j]]))
+            if keep < k.shape[2]:
+                k, v = k[:, :, k.shape[2] - keep:], v[:, :, v.shape[2] - keep:]
+            parts.append((k, v))  # whole: the kept tensors themselves (a later call's hit hands the same ones)
         if len(parts) == 1 and window is None:
             kv.append(parts[0])
         else:  # packed (and a trimmed layer's own storage, so the dropped tokens are freed)
             kv.append((torch.cat([p[0] for p in parts], 2), torch.cat([p[1] for p in parts], 2)))
-    return kv, windows
+    return Prefilled(kv, windows, kept)
+
+
+def _ancestors_kv(tree: PrefixTree, j: int, states: dict) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Per layer, the keys / values of segment ``j``'s ancestors, root first, concatenated (empty for a root)."""
+    ancestors = tree.path(j)[:-1]
+    if not ancestors:
+        return []
+    layers = len(states[ancestors[0]])
+    return [(torch.cat([states[a][i][0] for a in ancestors], 2), torch.cat([states[a][i][1] for a in ancestors], 2))
+            for i in range(layers)]
 
 
 def _kv(cache: DynamicCache) -> list[tuple[torch.Tensor, torch.Tensor]]:

@@ -10,7 +10,9 @@ from __future__ import annotations
 import threading
 from dataclasses import dataclass, field
 
+from .prefill import segment_nbytes
 from .stats import Counters
+from .store import PrefixStore
 
 
 @dataclass(eq=False)
@@ -32,16 +34,23 @@ class RelayState:
         min_prefix_length: shortest shared prefix (tokens) worth a separate prefill.
         declined: why ``patch`` left the model on its own attention (``None``: relay serves it).
         decode: which decode loop ``patch(model, decode=...)`` chose (``policy.loop_wanted``).
+        prefix_cache_bytes: the budget of ``store`` (prefilled prefix segments kept between calls; 0: none).
+        counters: what ``relay_hf.stats`` reports.
     """
 
     original_attn: str
     min_prefix_length: int
     declined: str | None
     decode: str = "auto"
+    prefix_cache_bytes: int = 0
     counters: Counters = field(default_factory=Counters, repr=False)  # ``relay_hf.stats``
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
     _idle: list = field(default_factory=list, repr=False)
     MAX_IDLE = 2
+
+    def __post_init__(self):
+        # prefilled prefix segments kept between calls (generate and the pipeline), within prefix_cache_bytes
+        self.store = PrefixStore(self.prefix_cache_bytes, segment_nbytes)
 
     def take_static(self, fits) -> StaticSlot | None:
         """The first idle slot (most recent first) for which ``fits(slot.cache)`` holds, now owned by the caller. When
@@ -71,7 +80,7 @@ class RelayState:
 
     def __getstate__(self):  # pickling / deepcopy of a patched model: settings only, no lock, no buffers or graphs
         return {"original_attn": self.original_attn, "min_prefix_length": self.min_prefix_length,
-                "declined": self.declined, "decode": self.decode}
+                "declined": self.declined, "decode": self.decode, "prefix_cache_bytes": self.prefix_cache_bytes}
 
     def __setstate__(self, state):
         self.__init__(**state)

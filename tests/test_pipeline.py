@@ -7,7 +7,6 @@ import copy
 import gc
 import importlib
 import threading
-import time
 
 import pytest
 import torch
@@ -17,6 +16,7 @@ from transformers.pipelines import PIPELINE_REGISTRY
 
 import relay_hf
 from examples.chat_batch import QUESTIONS, held_bytes  # the demo's questions
+from relay_hf.state import relay_state
 from tests.helpers import SMOLLM2_FILE, smollm2_dir
 
 QS = QUESTIONS[:4]
@@ -112,15 +112,9 @@ def test_prefix_prefilled_once_and_again_after_a_change(relay_pipe, system):
         hook.remove()
 
 
-def test_threads_share_one_prefill(relay_pipe, monkeypatch):
-    built = []
-
-    def slow_from_prefix(model, ids):
-        built.append(ids)
-        time.sleep(0.05)  # widens the window in which an unguarded second thread would build its own
-        return object()
-
-    monkeypatch.setattr(pipeline_module.RelayCache, "from_prefix", staticmethod(slow_from_prefix))
+def test_threads_share_one_prefill(relay_pipe):
+    hits = relay_hf.stats(relay_pipe.model).prefix_hits
+    relay_hf.clear_prefixes(relay_pipe.model)
     barrier = threading.Barrier(4)
     got = []
 
@@ -133,7 +127,9 @@ def test_threads_share_one_prefill(relay_pipe, monkeypatch):
         t.start()
     for t in threads:
         t.join()
-    assert len(built) == 1 and len(got) == 4 and all(c is got[0] for c in got)
+    # one thread prefilled, three found its KV kept: the very same tensors
+    assert len(got) == 4 and relay_hf.stats(relay_pipe.model).prefix_hits == hits + 3
+    assert all(c.layers[0].prefix_keys is got[0].layers[0].prefix_keys for c in got)
 
 
 def test_chat_with_its_own_system_message(relay_pipe, smollm2, system):
@@ -219,13 +215,11 @@ def test_no_cache_for_a_model_relay_cannot_serve(smollm2, system, monkeypatch):
     gen = dict(max_new_tokens=3, do_sample=False)
     stock = transformers.pipeline("text-generation", model=model, tokenizer=session_tokenizer)
     expected = stock(chats(system, QS[:2]), batch_size=2, **gen)
-    built = []
-    monkeypatch.setattr(pipeline_module.RelayCache, "from_prefix", staticmethod(lambda *a: built.append(a)))
     with pytest.warns(relay_hf.RelayFallbackWarning, match="ALiBi"):
         pipe = relay_hf.pipeline(model=model, tokenizer=session_tokenizer, system_prompt=system)
     with pipe:
         assert pipe(QS[:2], batch_size=2, **gen) == expected
-        assert pipe.prefix_cache() is None and built == []
+        assert pipe.prefix_cache() is None and pipe.kept_system_prompts() == 0
 
 
 def test_registered_with_transformers(smollm2, system):
@@ -318,28 +312,29 @@ def test_a_system_prompt_per_input_answers_as_stock_and_reads_each_once(smollm2,
     assert got == expected
 
 
+def prefills(pipe, since: int) -> int:
+    """Prefills of system prompts since the model's prefix store had ``since`` misses."""
+    return relay_state(pipe.model).store.misses - since
+
+
 def test_kept_system_prompts_are_reused_across_calls_within_the_byte_budget(smollm2, relay_pipe, prompts,
                                                                           monkeypatch):
-    built = []
-    original = pipeline_module.RelayCache.from_prefix
-
-    def counting(model, ids):
-        built.append(len(ids))
-        return original(model, ids)
-
+    relay_hf.clear_prefixes(relay_pipe.model)
+    start = relay_state(relay_pipe.model).store.misses
     packed = []
     combine = pipeline_module.RelayCache.combine
-    monkeypatch.setattr(pipeline_module.RelayCache, "from_prefix", staticmethod(counting))
     monkeypatch.setattr(pipeline_module.RelayCache, "combine", staticmethod(lambda c: packed.append(1) or combine(c)))
     relay_pipe(QS[:2], system_prompt=prompts[:2], batch_size=2, max_new_tokens=1, do_sample=False)
     relay_pipe(QS[2:4], system_prompt=prompts[:2], batch_size=2, max_new_tokens=1, do_sample=False)
-    assert len(built) == 2 and len(packed) == 1  # both prefilled once, packed once, then reused
+    assert prefills(relay_pipe, start) == 2 and len(packed) == 1  # both prefilled once, packed once, reused
     one = relay_pipe.prefix_cache(prompts[0]).prefix_nbytes()
+    start = relay_state(relay_pipe.model).store.misses
     relay_pipe.prefix_cache_bytes = one  # room for one prompt: the least recently used goes
     relay_pipe(QS[:2], system_prompt=[prompts[2], prompts[2]], batch_size=2, max_new_tokens=1, do_sample=False)
-    assert relay_pipe.kept_system_prompts() == 1 and len(built) == 3
+    assert relay_pipe.kept_system_prompts() == 1 and prefills(relay_pipe, start) == 1
     relay_pipe(QS[:2], system_prompt=prompts[:2], batch_size=2, max_new_tokens=1, do_sample=False)
-    assert len(built) == 5  # evicted ones are prefilled again; a batch keeps its own prompts while it runs
+    assert prefills(relay_pipe, start) == 3  # evicted ones are prefilled again; a batch keeps its own prompts
+    assert relay_state(relay_pipe.model).store.nbytes() <= one
 
 
 def test_a_batch_with_a_row_under_no_system_prompt_finds_its_own_groups(smollm2, relay_pipe, prompts):
@@ -380,14 +375,12 @@ def test_bad_system_prompts_are_refused_by_name_and_the_pipeline_stays_usable(re
     assert relay_pipe(QS[:1], batch_size=1, **GEN) == stock_answers[1][:1]
 
 
-def test_kept_prompts_the_batch_does_not_use_stay_within_the_budget(relay_pipe, prompts, monkeypatch):
-    built = []
-    original = pipeline_module.RelayCache.from_prefix
-    monkeypatch.setattr(pipeline_module.RelayCache, "from_prefix",
-                        staticmethod(lambda model, ids: built.append(len(ids)) or original(model, ids)))
+def test_kept_prompts_the_batch_does_not_use_stay_within_the_budget(relay_pipe, prompts):
+    relay_hf.clear_prefixes(relay_pipe.model)
+    start = relay_state(relay_pipe.model).store.misses
     for system_prompt in (prompts[0], prompts[1], prompts[0]):  # the second batch does not use the first's prompt
         relay_pipe(QS[:2], system_prompt=system_prompt, batch_size=2, max_new_tokens=1, do_sample=False)
-    assert relay_pipe.kept_system_prompts() == 2 and len(built) == 2
+    assert relay_pipe.kept_system_prompts() == 2 and prefills(relay_pipe, start) == 2
 
 
 # -- kept prompts never outlive what their KV depends on (a tiny random model: its weights may be changed) -----------

@@ -1,0 +1,169 @@
+"""A patched model keeps prefilled prefixes between ``generate`` calls (``relay_hf.prefill.prefill_tree`` with the
+model's ``PrefixStore``): a later call under a kept system prompt prefills only what is new, gives stock's tokens, and
+never reads KV of a model that has changed since."""
+
+import pytest
+import torch
+
+import relay_hf
+from relay_hf.state import relay_state
+from tests.helpers import VOCAB, left_pad, tiny_model
+
+GEN = dict(max_new_tokens=6, do_sample=False)
+
+
+def batch(prompt: torch.Tensor, seed: int, own=(3, 9, 1, 6), document: torch.Tensor | None = None):
+    """Rows = ``prompt`` (+ ``document`` for the first two) + random own tokens, left-padded."""
+    g = torch.Generator().manual_seed(seed)
+    rows = [torch.cat([prompt, document if document is not None and i < 2 else prompt[:0],
+                       torch.randint(3, VOCAB, (n,), generator=g)]) for i, n in enumerate(own)]
+    return left_pad(rows)
+
+
+def stock(model, ids, mask):
+    return type(model).generate(model, input_ids=ids, attention_mask=mask, **GEN)
+
+
+@pytest.fixture
+def model():
+    m = tiny_model("llama", seed=1)
+    relay_hf.patch(m)
+    yield m
+    relay_hf.unpatch(m)
+
+
+@pytest.fixture
+def prompt():
+    return torch.randint(3, VOCAB, (48,), generator=torch.Generator().manual_seed(11))
+
+
+def test_a_second_call_under_a_kept_prompt_prefills_only_its_rows(model, prompt):
+    first = batch(prompt, 1)
+    out = model.generate(*first[:1], attention_mask=first[1], **GEN)
+    assert model.relay_last_decision.used and model.relay_last_decision.prefix_kept == 0
+    assert torch.equal(out, stock(model, *first))
+    second = batch(prompt, 2, own=(5, 2, 7))
+    out = model.generate(second[0], attention_mask=second[1], **GEN)
+    assert model.relay_last_decision.used and model.relay_last_decision.prefix_kept == 48
+    assert torch.equal(out, stock(model, *second))
+    seen = relay_hf.stats(model)
+    assert seen.prefix_hits == 1 and seen.prefill_tokens_saved == 48 and seen.relay_steps > 0
+
+
+def test_a_new_document_under_a_kept_prompt_prefills_alone(model, prompt):
+    model.generate(*batch(prompt, 1)[:1], attention_mask=batch(prompt, 1)[1], **GEN)
+    document = torch.randint(3, VOCAB, (40,), generator=torch.Generator().manual_seed(5))
+    ids, mask = batch(prompt, 3, own=(4, 2, 6, 3), document=document)
+    out = model.generate(ids, attention_mask=mask, **GEN)
+    decision = model.relay_last_decision
+    assert decision.used and {level for level, _, _ in decision.groups} == {0, 1}
+    assert decision.prefix_kept == 48  # the document was prefilled after the kept prompt's KV
+    assert torch.equal(out, stock(model, ids, mask))
+    out = model.generate(ids, attention_mask=mask, **GEN)
+    assert model.relay_last_decision.prefix_kept == 48 + 40 and torch.equal(out, stock(model, ids, mask))
+
+
+def _load_other_weights(m):
+    m.load_state_dict({k: v * 1.01 for k, v in m.state_dict().items()})
+
+
+def _edit_in_place(m):
+    with torch.no_grad():
+        m.model.layers[0].self_attn.k_proj.weight.mul_(1.5)
+
+
+def _write_through_data(m):
+    m.model.layers[1].self_attn.v_proj.weight.data.copy_(torch.randn_like(m.model.layers[1].self_attn.v_proj.weight))
+
+
+def _to_float64(m):
+    m.to(torch.float64)
+
+
+def _optimizer_step(m):
+    m.train()
+    loss = m(input_ids=torch.randint(3, VOCAB, (1, 12)), labels=torch.randint(3, VOCAB, (1, 12))).loss
+    loss.backward()
+    torch.optim.SGD(m.parameters(), lr=0.5).step()
+    m.zero_grad()
+    m.eval()
+
+
+@pytest.mark.parametrize("change", [_load_other_weights, _edit_in_place, _write_through_data, _to_float64,
+                                    _optimizer_step])
+def test_a_kept_prompt_is_dropped_when_what_its_kv_depends_on_changes(model, prompt, change):
+    ids, mask = batch(prompt, 1)
+    model.generate(ids, attention_mask=mask, **GEN)
+    change(model)
+    ids, mask = batch(prompt, 4, own=(2, 8, 5))
+    out = model.generate(ids, attention_mask=mask, **GEN)
+    assert model.relay_last_decision.used and model.relay_last_decision.prefix_kept == 0
+    assert torch.equal(out, stock(model, ids, mask))
+
+
+def test_training_mode_keeps_nothing(model, prompt):
+    ids, mask = batch(prompt, 1)
+    model.generate(ids, attention_mask=mask, **GEN)
+    relay_hf.clear_prefixes(model)
+    model.train()
+    model.generate(ids, attention_mask=mask, **GEN)
+    assert len(relay_state(model).store) == 0
+    model.eval()
+
+
+def test_the_store_never_holds_more_than_its_budget(prompt):
+    m = tiny_model("llama", seed=1)
+    relay_hf.patch(m, prefix_cache_bytes=0)
+    ids, mask = batch(prompt, 1)
+    m.generate(ids, attention_mask=mask, **GEN)
+    m.generate(ids, attention_mask=mask, **GEN)
+    assert m.relay_last_decision.prefix_kept == 0 and len(relay_state(m).store) == 0  # 0 keeps nothing
+    one = sum(k.nbytes + v.nbytes for k, v in ((lay.prefix_keys, lay.prefix_values)
+                                               for lay in relay_hf.RelayCache.from_prefix(m, prompt).layers))
+    relay_hf.patch(m, prefix_cache_bytes=int(1.5 * one))  # room for one 48-token prompt
+    store = relay_state(m).store
+    for seed in range(4):  # four different prompts of 48 tokens, past the budget
+        other = torch.randint(3, VOCAB, (48,), generator=torch.Generator().manual_seed(100 + seed))
+        ids, mask = batch(other, seed)
+        out = m.generate(ids, attention_mask=mask, **GEN)
+        assert torch.equal(out, stock(m, ids, mask))
+        assert 0 < store.nbytes() <= store.budget_bytes and len(store) == 1
+    out = m.generate(ids, attention_mask=mask, **GEN)  # the last one is kept
+    assert m.relay_last_decision.prefix_kept == 48
+    relay_hf.clear_prefixes(m)
+    assert len(store) == 0 and store.nbytes() == 0
+    with pytest.raises(ValueError, match="prefix_cache_bytes"):
+        relay_hf.patch(m, prefix_cache_bytes=-1)
+    assert store.budget_bytes == int(1.5 * one)  # a refused budget changes nothing
+    relay_hf.unpatch(m)
+    with pytest.raises(ValueError, match="patched"):
+        relay_hf.clear_prefixes(m)
+
+
+def test_a_captured_loop_refilled_for_a_kept_prompt_copies_no_prefix(prompt):
+    m = tiny_model("llama", seed=1)
+    relay_hf.patch(m, decode="graph")
+    ids, mask = batch(prompt, 1)
+    first = m.generate(ids, attention_mask=mask, **GEN)
+    assert m.relay_last_decision.fast_decode
+    slot = relay_state(m).idle_slots()[0]
+    versions = [lay.prefix_keys._version for lay in slot.cache.layers]
+    ids2, mask2 = batch(prompt, 2, own=(5, 2, 7, 4))
+    out = m.generate(ids2, attention_mask=mask2, **GEN)
+    assert m.relay_last_decision.fast_decode and m.relay_last_decision.prefix_kept == 48
+    assert relay_state(m).idle_slots()[0] is slot  # refilled in place
+    assert [lay.prefix_keys._version for lay in slot.cache.layers] == versions  # nothing written to the prefix
+    assert torch.equal(out, stock(m, ids2, mask2)) and torch.equal(first, stock(m, ids, mask))
+    relay_hf.unpatch(m)
+
+
+def test_a_one_row_call_under_a_kept_prompt_prefills_only_its_own_tokens(model, prompt):
+    ids, mask = batch(prompt, 1)
+    model.generate(ids, attention_mask=mask, **GEN)  # a batch keeps the prompt
+    row = torch.cat([prompt, torch.randint(3, VOCAB, (7,), generator=torch.Generator().manual_seed(9))])[None]
+    out = model.generate(row, attention_mask=torch.ones_like(row), **GEN)
+    assert model.relay_last_decision.used and model.relay_last_decision.prefix_kept == 48
+    assert torch.equal(out, stock(model, row, torch.ones_like(row)))
+    other = torch.randint(3, VOCAB, (60,), generator=torch.Generator().manual_seed(10))[None]  # under no kept prompt
+    out = model.generate(other, attention_mask=torch.ones_like(other), **GEN)
+    assert not model.relay_last_decision.used and torch.equal(out, stock(model, other, torch.ones_like(other)))

@@ -135,10 +135,20 @@ def set_config_attn(config, name: str) -> None:
     config._attn_implementation = name
 
 
-def restore_attn_on_stop(manager, name: str) -> None:
-    """Make a continuous-batching manager switch the model back to ``name`` when it stops, as it does for a switch
-    of its own (it restores only what it records: the name it found, which was relay_hf's temporary one)."""
-    manager._original_attn_impl = name
+@cache
+def masks_skip_paged_cache() -> bool:
+    """Whether transformers' mask creation returns no mask for a continuous-batching cache whatever the attention
+    name (newer versions), read from its source."""
+    import inspect
+
+    from transformers import masking_utils
+
+    return "PagedAttentionCache" in inspect.getsource(masking_utils._preprocess_mask_arguments)
+
+
+def cached_continuous_manager(model):
+    """The continuous-batching manager transformers keeps on ``model`` for a later call (``persistent_manager``)."""
+    return getattr(model, "_cached_continuous_batching_manager", None)
 
 
 def paged_update(cache, module, key, value, kwargs: dict):

@@ -18,16 +18,17 @@ import threading
 
 import torch
 from transformers import AttentionInterface
+from transformers.masking_utils import AttentionMaskInterface
 
 from ._compat import (
     attn_implementation,
     is_paged_cache,
+    masks_skip_paged_cache,
     paged_attention_name,
     paged_update,
-    restore_attn_on_stop,
     set_config_attn,
 )
-from .attention import relay_attention_forward, relay_name, stock_implementation
+from .attention import relay_attention_forward, relay_mask, set_stock_implementation, stock_implementation
 from .names import PAGED_NAMES, is_paged_name, is_relay_name
 from .paged import paged_relay_attention, plan_paged_step
 from .policy import continuous_reason
@@ -106,19 +107,33 @@ def _without_graphs(cb_config):
     return cb_config
 
 
+def _config_of(model, generation_config, cb_config):
+    """The ``ContinuousBatchingConfig`` the manager will run with, found as stock finds it: the argument, else one the
+    generation config carries (deprecated by transformers, still honoured), else ``None`` (the defaults)."""
+    if cb_config is not None:
+        return cb_config
+    from transformers import ContinuousBatchingConfig
+
+    carried = getattr(generation_config if generation_config is not None else model.generation_config,
+                      "continuous_batching_config", None)
+    return carried if isinstance(carried, ContinuousBatchingConfig) else None
+
+
 class RelayContinuousBatching:
     """The ``init_continuous_batching`` of one patched model instance (a callable object, as ``RelayGenerate``).
 
-    Relay serves (``policy.continuous_reason``): the model runs the continuous-batching relay name while the manager
-    lives, CUDA graphs off in a copy of the caller's config (relay plans every step on the host). Otherwise the model
-    runs its own implementation while the manager lives: stock continuous batching, unchanged. Either way the
-    manager restores the relay implementation when it stops. ``model.relay_last_decision`` is not touched: a
-    manager serves many calls; ``relay_hf.stats`` counts its relay steps.
+    Relay serves (``policy.continuous_reason``): the model runs the continuous-batching relay name while relay's
+    managers live (``live`` counts them; the last one to stop switches the model back to relay), CUDA graphs off in a
+    copy of the caller's config (relay plans every step on the host). Otherwise the model runs its own implementation
+    while the manager lives: stock continuous batching, unchanged, switched back to relay when it stops.
+    ``model.relay_last_decision`` is not touched (a manager serves many calls); ``relay_hf.stats`` counts its steps.
     """
 
     def __init__(self, model):
         self.__self__ = model
         self._hook = None  # registered by the first manager relay serves (an unpickled model has no hooks yet)
+        self.live = 0  # managers running under the relay name now
+        self._relay = None  # the relay name the model goes back to
 
     def remove_hook(self) -> None:
         if self._hook is not None:
@@ -128,36 +143,77 @@ class RelayContinuousBatching:
     def __call__(self, generation_config=None, continuous_batching_config=None, *args, **kwargs):
         model = self.__self__
         init = type(model).init_continuous_batching
+        cb_config = _config_of(model, generation_config, continuous_batching_config)
         with _SWITCH_LOCK:
             current = attn_implementation(model.config)
             if not (is_relay_name(current) or is_paged_name(current)):  # declined, or switched away by the user
                 return init(model, generation_config, continuous_batching_config, *args, **kwargs)
-            relay = current if is_relay_name(current) else relay_name(model._relay_state.original_attn)
-            why = None if is_paged_name(current) else continuous_reason(model, continuous_batching_config)
+            if is_relay_name(current):
+                self._relay = current
+            why = None if is_paged_name(current) else continuous_reason(model, cb_config)
             model.relay_continuous_reason = why
             if why is None:
                 if self._hook is None:
                     self._hook = model.register_forward_pre_hook(plan_step, with_kwargs=True)
-                continuous_batching_config = _without_graphs(continuous_batching_config)
-                for config in _configs(model):
-                    set_config_attn(config, paged_attention_name())
+                continuous_batching_config = _without_graphs(cb_config)
+                if not self.live:
+                    for config in _configs(model):
+                        stock = stock_implementation(config)
+                        set_config_attn(config, paged_attention_name())
+                        set_stock_implementation(config, stock)  # what a forward outside the manager runs
+                self.live += 1
             else:
                 model.set_attn_implementation(stock_implementation(model.config))
+                model._relay_state.counters.add(stock_calls=1)
         try:
             manager = init(model, generation_config, continuous_batching_config, *args, **kwargs)
         except BaseException:
-            model.set_attn_implementation(relay)
+            self._stopped(why is None)
             raise
-        restore_attn_on_stop(manager, relay)
+        manager._relay_built = why is None  # its cache and mask choice were made for relay's name
+        _after_stop(manager, lambda: self._stopped(why is None))
         return manager
+
+    def _stopped(self, relay: bool) -> None:
+        """A manager stopped (or failed to start): the model goes back to relay once no relay manager runs."""
+        with _SWITCH_LOCK:
+            if relay:
+                self.live -= 1
+            if not self.live:
+                self.__self__.set_attn_implementation(self._relay)
 
     def __reduce__(self):  # the hook travels with the model's own state: a copy gets a new one
         return RelayContinuousBatching, (self.__self__,)
 
 
+def _after_stop(manager, after) -> None:
+    """Run ``after`` once when ``manager`` stops (its ``stop`` wrapped on the instance, once; a persistent manager
+    reused by a later ``init_continuous_batching`` is counted again)."""
+    manager._relay_after_stop = after
+    if getattr(manager, "_relay_stop_wrapped", False):
+        return
+    stop = manager.stop
+
+    def stop_then_restore(*args, **kwargs):
+        try:
+            return stop(*args, **kwargs)
+        finally:
+            pending, manager._relay_after_stop = manager._relay_after_stop, None
+            if pending is not None:
+                pending()
+
+    manager.stop = stop_then_restore
+    manager._relay_stop_wrapped = True
+
+
 def register() -> None:
+    """The continuous-batching names' attention function; and, where transformers builds no mask for a paged cache
+    whatever the name (newer versions), relay's mask function too, so a ``generate`` call while a manager runs gets
+    the masks it would get under ``"relay"``."""
     for name in PAGED_NAMES:
         AttentionInterface.register(name, relay_paged_attention_forward)
+        if masks_skip_paged_cache():
+            AttentionMaskInterface.register(name, relay_mask)
 
 
 register()

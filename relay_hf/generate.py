@@ -165,10 +165,11 @@ def _extend(rows_values, rows: int):
 def _run_relay(model, stock, call: dict, plan: Plan):
     grouping = plan.grouping
     layout = relay_layout(plan.ids, plan.mask, plan.n_pad, grouping.prefix_lengths())
-    base = plan.user_cache
+    base, kept = plan.user_cache, 0
     if base is None:  # each shared segment prefilled once, at batch 1, or taken from the model's prefix store
         store, depends = prefix_store(model)
         base = RelayCache.from_tree(model, grouping.tree, store, depends)
+        kept = base.kept_tokens
         if store is not None:
             store.trim(keep=[segment_key(grouping.tree, j) for j in range(len(grouping.tree.ids))])
     per_input = plan.rows // plan.ids.shape[0]  # beams / return sequences
@@ -190,7 +191,7 @@ def _run_relay(model, stock, call: dict, plan: Plan):
                 out = fast_generate(model, layout.ids, layout.mask, plan.ids, slot, plan.sampler,
                                     None if streamer is None else _StreamerView(streamer, layout),
                                     plan.compile_config, plan.new_tokens, rows_per_input=per_input, stop=stop)
-            return layout.to_stock(out), base.kept_tokens
+            return layout.to_stock(out), kept
         call = {k: v for k, v in call.items() if k not in ("inputs", "input_ids", *CACHE_NAMES)}
         if plan.gen.cache_implementation is not None:  # from the call, its config or the model's: ours is the cache
             call["cache_implementation"] = None
@@ -205,9 +206,9 @@ def _run_relay(model, stock, call: dict, plan: Plan):
         if slot is not None and (out is None or output_cache(out) is not slot.cache):
             model._relay_state.give_back_static(slot)
     if isinstance(out, torch.Tensor):
-        return layout.to_stock(out), base.kept_tokens
+        return layout.to_stock(out), kept
     out.sequences = layout.to_stock(out.sequences)
-    return out, base.kept_tokens
+    return out, kept
 
 
 def relay_generate(model, *args, **kwargs):
@@ -250,6 +251,8 @@ def _count(model, plan: Plan, out, kept: int) -> None:
     shared = sum((rows - 1) * tokens for _, rows, tokens in model.relay_last_decision.groups)
     if not model.relay_last_decision.groups:
         shared = (plan.rows - 1) * plan.prefix_length
+    if not shared:  # one row (a chat turn under a kept prompt): nothing read once for several rows
+        steps = 0
     model._relay_state.counters.add(
         relay_steps=steps, relay_rows=steps * plan.rows, kv_bytes_not_reread=steps * shared * kv_bytes_per_token(model),
         prefix_hits=int(kept > 0), prefill_tokens_saved=kept)

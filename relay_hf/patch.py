@@ -14,7 +14,7 @@ import warnings
 import torch
 
 from . import attention
-from ._compat import attn_implementation, can_set_attn_implementation
+from ._compat import attn_implementation, cached_continuous_manager, can_set_attn_implementation
 from .continuous import RelayContinuousBatching
 from .generate import RelayFallbackWarning, RelayGenerate
 from .names import is_relay_name
@@ -162,9 +162,16 @@ def patch(model, *, min_prefix_length: int = DEFAULT_MIN_PREFIX_LENGTH, decode: 
 def unpatch(model):
     """Undo ``patch``: the instance's own attention implementation and the class's ``generate`` come back."""
     _check_model(model, "unpatch")
-    state = model.__dict__.pop("_relay_state", None)
-    if state is None:
+    if "_relay_state" not in model.__dict__:
         return model
+    continuous = model.__dict__.get("init_continuous_batching")
+    if continuous is not None and continuous.live:
+        raise ValueError("a continuous batching manager of this model runs relay attention: stop it before "
+                         "relay_hf.unpatch")
+    cached = cached_continuous_manager(model)
+    if cached is not None and getattr(cached, "_relay_built", False):  # kept by a relay call: made for relay's name
+        model.destroy_cached_continuous_batching_manager()
+    state = model.__dict__.pop("_relay_state")
     model.__dict__.pop("generate", None)
     model.__dict__.pop("relay_last_decision", None)
     model.__dict__.pop("relay_continuous_reason", None)

@@ -24,10 +24,10 @@ from dataclasses import dataclass, field
 import torch
 from transformers import CompileConfig, GenerationConfig
 
-from ._compat import attn_implementation, compile_all_devices, resolve_generation_config
+from ._compat import attn_implementation, compile_all_devices, masks_skip_paged_cache, resolve_generation_config
 from .cache import RelayCache
 from .decode import DEFAULT_DECODE, Sampler, loop_sampler
-from .names import is_relay_name
+from .names import is_paged_name, is_relay_name
 from .prefill import layer_windows, trim_window
 from .prefix import Grouping, PrefixTree, common_prefix_length, find_groups, left_padding
 from .store import kv_dependencies
@@ -163,6 +163,11 @@ def model_reason(model) -> str | None:
     if state.declined is not None:
         return state.declined
     name = attn_implementation(model.config)
+    if is_paged_name(name):  # a continuous-batching manager of this model runs
+        if not masks_skip_paged_cache():
+            raise ValueError("a continuous batching manager of this model is running, under the attention name "
+                             f"{name!r} it needs; stop it before calling generate")
+        return None
     if not is_relay_name(name):
         return f"the model's attention implementation was set to {name!r} after relay_hf.patch"
     return None

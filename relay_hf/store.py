@@ -42,14 +42,28 @@ def _weights_signature(model: torch.nn.Module) -> tuple:
     return tuple(meta), values
 
 
+_SCALARS = (bool, int, float, str, type(None))
+
+
+def _hooks(hooks: dict) -> tuple:
+    return tuple((key, id(hook)) for key, hook in hooks.items())
+
+
 def _modules_signature(model: torch.nn.Module) -> tuple:
-    """Per module: its type, training flag and adapter switches (PEFT's ``disable_adapters`` /
-    ``active_adapters`` / ``merged_adapters``, where a module has them)."""
+    """Per module: its type, training flag, adapter switches (PEFT's ``disable_adapters`` / ``active_adapters`` /
+    ``merged_adapters``, where a module has them), the forward hooks on it (activation steering changes the KV) and
+    the plain values its forward may read (``scaling``, a rotary ``attention_scaling``...); and torch's global
+    forward hooks."""
     out = []
     for name, m in model.named_modules():
         adapters = tuple(str(getattr(m, a, None)) for a in ("_disable_adapters", "_active_adapter", "merged_adapters")
                          if hasattr(m, a))
-        out.append((name, type(m), m.training, adapters))
+        scalars = tuple((k, v) for k, v in vars(m).items() if not k.startswith("_") and isinstance(v, _SCALARS))
+        out.append((name, type(m), m.training, adapters, _hooks(m._forward_hooks), _hooks(m._forward_pre_hooks),
+                    scalars))
+    from torch.nn.modules import module as torch_module
+
+    out.append((_hooks(torch_module._global_forward_hooks), _hooks(torch_module._global_forward_pre_hooks)))
     return tuple(out)
 
 

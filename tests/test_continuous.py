@@ -158,3 +158,77 @@ def test_unpatch_leaves_stock_continuous_batching(llama):
     assert again == stock and llama.config._attn_implementation == "sdpa"
     with pytest.raises(ValueError, match="patched"):
         relay_hf.stats(llama)
+
+
+def test_generate_while_a_manager_runs_gives_stock_tokens_or_a_clear_error(llama):
+    from relay_hf._compat import masks_skip_paged_cache
+
+    g = torch.Generator().manual_seed(8)
+    rows = [torch.randint(3, VOCAB, (n,), generator=g) for n in (40, 33)]
+    ids = torch.stack([torch.cat([torch.zeros(40 - len(r), dtype=torch.long), r]) for r in rows])
+    mask = (ids != 0).long()
+    want = llama.generate(ids, attention_mask=mask, max_new_tokens=6, do_sample=False)
+    relay_hf.patch(llama, min_prefix_length=8)
+    manager = llama.init_continuous_batching(generation_config=greedy(), continuous_batching_config=cb_config())
+    manager.start()
+    try:
+        if masks_skip_paged_cache():
+            assert torch.equal(llama.generate(ids, attention_mask=mask, max_new_tokens=6, do_sample=False), want)
+        else:
+            with pytest.raises(ValueError, match="continuous batching manager"):
+                llama.generate(ids, attention_mask=mask, max_new_tokens=6, do_sample=False)
+        with pytest.raises(ValueError, match="stop it before relay_hf.unpatch"):
+            relay_hf.unpatch(llama)
+    finally:
+        manager.stop(block=True, timeout=30)
+    assert llama.config._attn_implementation == "relay"
+    relay_hf.unpatch(llama)
+    assert llama.config._attn_implementation == "sdpa"
+
+
+def test_two_managers_keep_relay_until_the_last_stops(llama):
+    inputs = requests_under([(48, 3)], seed=9)
+    want = [llama.generate(torch.tensor([p]), generation_config=greedy())[0, len(p):].tolist() for p in inputs]
+    relay_hf.patch(llama, min_prefix_length=8)
+    first = llama.init_continuous_batching(generation_config=greedy(), continuous_batching_config=cb_config())
+    second = llama.init_continuous_batching(generation_config=greedy(), continuous_batching_config=cb_config())
+    first.start()
+    second.start()
+    first.stop(block=True, timeout=30)
+    assert llama.config._attn_implementation != "relay"  # the second still runs under relay's paged name
+    try:
+        for i, ids in enumerate(inputs):
+            second.add_request(ids, request_id=f"r{i}")
+        got = {}
+        deadline = time.monotonic() + 60
+        while len(got) < len(inputs) and time.monotonic() < deadline:
+            out = second.get_result(timeout=1)
+            if out is not None and out.is_finished():
+                got[out.request_id] = out.generated_tokens
+    finally:
+        second.stop(block=True, timeout=30)
+    assert [got.get(f"r{i}") for i in range(len(inputs))] == want
+    assert llama.config._attn_implementation == "relay"
+
+
+def test_a_config_carried_by_the_generation_config_is_honoured(llama):
+    inputs = requests_under([(48, 4)], seed=10)
+    gen = GenerationConfig(max_new_tokens=8, do_sample=True, top_k=20, eos_token_id=2, pad_token_id=0)
+    gen.continuous_batching_config = cb_config(seed=123)
+    stock = tokens(llama.generate_batch(inputs, generation_config=gen), len(inputs))
+    relay_hf.patch(llama, min_prefix_length=8)
+    relay = tokens(llama.generate_batch(inputs, generation_config=gen), len(inputs))
+    assert relay == stock and relay_hf.stats(llama).relay_steps > 0
+
+
+def test_unpatch_drops_a_persistent_manager_built_for_relay(llama):
+    inputs = requests_under([(48, 3)], seed=11)
+    stock = tokens(llama.generate_batch(inputs, generation_config=greedy(), continuous_batching_config=cb_config()), 3)
+    relay_hf.patch(llama, min_prefix_length=8)
+    relay = tokens(llama.generate_batch(inputs, generation_config=greedy(), continuous_batching_config=cb_config(),
+                                        persistent_manager=True), 3)
+    relay_hf.unpatch(llama)
+    again = tokens(llama.generate_batch(inputs, generation_config=greedy(), continuous_batching_config=cb_config(),
+                                        persistent_manager=True), 3)
+    llama.destroy_cached_continuous_batching_manager()
+    assert relay == stock and again == stock and llama.config._attn_implementation == "sdpa"

@@ -89,8 +89,16 @@ def _optimizer_step(m):
     m.eval()
 
 
+def _steer(m):  # a forward hook that adds to a layer's output (activation steering)
+    m.model.layers[0].mlp.register_forward_hook(lambda module, args, out: out + 0.5)
+
+
+def _rescale_attention(m):  # a plain attribute the attention's forward reads
+    m.model.layers[1].self_attn.scaling *= 1.3
+
+
 @pytest.mark.parametrize("change", [_load_other_weights, _edit_in_place, _write_through_data, _to_float64,
-                                    _optimizer_step])
+                                    _optimizer_step, _steer, _rescale_attention])
 def test_a_kept_prompt_is_dropped_when_what_its_kv_depends_on_changes(model, prompt, change):
     ids, mask = batch(prompt, 1)
     model.generate(ids, attention_mask=mask, **GEN)
@@ -164,6 +172,7 @@ def test_a_one_row_call_under_a_kept_prompt_prefills_only_its_own_tokens(model, 
     out = model.generate(row, attention_mask=torch.ones_like(row), **GEN)
     assert model.relay_last_decision.used and model.relay_last_decision.prefix_kept == 48
     assert torch.equal(out, stock(model, row, torch.ones_like(row)))
+    assert relay_hf.stats(model).prefix_hits == 1  # one row shares nothing per step: no relay step counted for it
     other = torch.randint(3, VOCAB, (60,), generator=torch.Generator().manual_seed(10))[None]  # under no kept prompt
     out = model.generate(other, attention_mask=torch.ones_like(other), **GEN)
     assert not model.relay_last_decision.used and torch.equal(out, stock(model, other, torch.ones_like(other)))

@@ -21,7 +21,8 @@ Both continuous-batching modes get one ``ContinuousBatchingConfig``: ``--max-bat
 ``--page-size`` when given (on a CPU they must be: transformers otherwise sizes the cache from the machine's RAM).
 
 Offline (all requests at once): ``throughput`` (new tokens / wall s of the whole call, after one warm-up call of
-the same mode on 2 requests), and for the continuous-batching modes ``ttft`` / ``tpot`` p50 and p99 from each
+the same mode on 2 requests, or on the whole workload with ``--full-warm-up``: Triton compiles a kernel variant the
+first time a step's shapes need it), and for the continuous-batching modes ``ttft`` / ``tpot`` p50 and p99 from each
 request's token timestamps (time to its first token since it was added; time per output token after it).
 Online (``--rates``, requests per second; continuous-batching modes): the first ``--online-requests`` requests arrive
 as a Poisson process through ``init_continuous_batching().add_request``; ``throughput`` (new tokens / s from the first
@@ -172,6 +173,7 @@ def main(argv=None) -> None:
     p.add_argument("--num-blocks", type=int, default=None)
     p.add_argument("--page-size", type=int, default=None)
     p.add_argument("--timeout", type=float, default=600.0, help="online: seconds to wait for the last result")
+    p.add_argument("--full-warm-up", action="store_true", help="warm up on the whole offline workload")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--note", default="")
     p.add_argument("--csv", default=str(DATA / "serve.csv"))
@@ -189,7 +191,8 @@ def main(argv=None) -> None:
         relay_hf.unpatch(model)
         if mode != "stock_cb":
             relay_hf.patch(model)
-        offline(model, mode, inputs[:2], 2, args)  # warm-up: kernels, allocator
+        # warm-up: kernels, allocator; --full-warm-up: the whole workload once (every kernel variant it needs compiled)
+        offline(model, mode, inputs if args.full_warm_up else inputs[:2], N if args.full_warm_up else 2, args)
         wall, lat = offline(model, mode, inputs, N, args)
         used = relay_hf.stats(model).relay_steps > 0 if relay_hf.is_patched(model) else False
         extra = {"arrival": "offline", "relay_used": used}

@@ -10,6 +10,8 @@ from __future__ import annotations
 import threading
 from dataclasses import asdict, dataclass, field, fields
 
+import torch
+
 
 @dataclass(frozen=True)
 class RelayStats:
@@ -59,7 +61,14 @@ class Counters:
 
 
 def kv_bytes_per_token(model) -> int:
-    """Bytes of one token's keys and values over every layer of ``model`` (its text config, its dtype)."""
+    """Bytes of one token's keys and values over every layer of ``model`` in its dtype: from the attention modules'
+    key and value projections where they have them (per-layer head counts and dims, as Gemma 4's), else from the
+    text config."""
+    widths = [m.k_proj.out_features + m.v_proj.out_features for m in model.modules()
+              if isinstance(getattr(m, "k_proj", None), torch.nn.Linear)
+              and isinstance(getattr(m, "v_proj", None), torch.nn.Linear)]
+    if widths:
+        return sum(widths) * model.dtype.itemsize
     text = model.config.get_text_config(decoder=True)
     heads = getattr(text, "num_attention_heads", 1)
     kv_heads = getattr(text, "num_key_value_heads", None) or heads

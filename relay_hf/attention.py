@@ -40,6 +40,16 @@ def relay_name(stock: str | None) -> str:
     return RELAY_NAMES.get(stock or DEFAULT_STOCK, ATTN_NAME)
 
 
+def model_configs(model) -> list:
+    """Every config object the model's modules read their attention implementation from."""
+    seen = {id(model.config): model.config}
+    for module in model.modules():
+        config = getattr(module, "config", None)
+        if config is not None and attn_implementation(config) is not None:
+            seen.setdefault(id(config), config)
+    return list(seen.values())
+
+
 def set_stock_implementation(config, name: str | None) -> None:
     """Remember ``name`` as what relay runs for ``config`` without a relay prefix, where the config's relay name
     does not say it (``None``: forget)."""

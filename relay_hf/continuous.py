@@ -28,7 +28,13 @@ from ._compat import (
     paged_update,
     set_config_attn,
 )
-from .attention import relay_attention_forward, relay_mask, set_stock_implementation, stock_implementation
+from .attention import (
+    model_configs,
+    relay_attention_forward,
+    relay_mask,
+    set_stock_implementation,
+    stock_implementation,
+)
 from .names import PAGED_NAMES, is_paged_name, is_relay_name
 from .paged import paged_relay_attention, plan_paged_step
 from .policy import continuous_reason
@@ -86,15 +92,6 @@ def plan_step(model, args, kwargs):
     if plan.read_index is not None:
         kwargs["read_index"] = [plan.read_index]
     return args, kwargs
-
-
-def _configs(model) -> list:
-    seen = {id(model.config): model.config}
-    for module in model.modules():
-        config = getattr(module, "config", None)
-        if config is not None and attn_implementation(config) is not None:
-            seen.setdefault(id(config), config)
-    return list(seen.values())
 
 
 def _without_graphs(cb_config):
@@ -157,7 +154,7 @@ class RelayContinuousBatching:
                     self._hook = model.register_forward_pre_hook(plan_step, with_kwargs=True)
                 continuous_batching_config = _without_graphs(cb_config)
                 if not self.live:
-                    for config in _configs(model):
+                    for config in model_configs(model):
                         stock = stock_implementation(config)
                         set_config_attn(config, paged_attention_name())
                         set_stock_implementation(config, stock)  # what a forward outside the manager runs

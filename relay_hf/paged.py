@@ -37,7 +37,8 @@ class RowBlock:
     Attributes:
         start: first position of the block in the rewritten KV (the packed prefix's length).
         rows, length: ``B`` requests, each padded to ``length`` KV positions: the block spans ``B * length``.
-        query_index: ``[B]`` int64 each request's query position in the step's packed queries.
+        query_index: each request's query position in the step's packed queries: a ``slice`` where they are
+            consecutive (the scheduler puts decoding requests first: views, no gather), else ``[B]`` int64.
         suffix_lengths: ``[B]`` int32 each request's own KV positions (the last ones of its padded row).
         groups: which prefix segments each request reads, ``None`` when every request reads the whole packed prefix.
     """
@@ -45,7 +46,7 @@ class RowBlock:
     start: int
     rows: int
     length: int
-    query_index: torch.Tensor
+    query_index: slice | torch.Tensor
     suffix_lengths: torch.Tensor
     groups: PrefixGroups | None
 
@@ -75,38 +76,45 @@ class PagedPlan:
     shared_tokens: int
 
 
-def _shared_segments(seqs: list[torch.Tensor], past: list[int], min_shared: int
+def _shared_segments(source: torch.Tensor, starts: torch.Tensor, past: torch.Tensor, min_shared: int
                      ) -> tuple[list[tuple[int, int, int]], list[list[int]]]:
-    """The shared runs of the requests' read indices, as a tree of at most ``MAX_DEPTH`` levels.
+    """The shared runs of some requests' read indices, as a tree of at most ``MAX_DEPTH`` levels.
+
+    Args:
+        source: ``[N]`` int64 the step's read index (CPU). ``starts``: ``[B]`` int64 where each request's part of it
+            begins; ``past``: ``[B]`` int64 its cached positions (a run is shared only over positions every reader
+            has cached).
 
     Returns ``(segments, paths)``: per segment ``(owner request, offset, length)`` (its physical rows are the owner's
     ``offset : offset + length``), per request the segments it reads, root first. A run is shared only by two
-    requests or more, only over positions every reader has cached (``past``), and only from ``min_shared`` tokens.
+    requests or more, and only from ``min_shared`` tokens.
     """
     segments: list[tuple[int, int, int]] = []
-    paths: list[list[int]] = [[] for _ in seqs]
+    paths: list[list[int]] = [[] for _ in range(starts.numel())]
 
-    def split(rows: list[int], offset: int, depth: int) -> None:
-        by_first: dict[int, list[int]] = {}
-        for i in rows:
-            if past[i] > offset:
-                by_first.setdefault(int(seqs[i][offset]), []).append(i)
-        for group in by_first.values():
-            if len(group) < 2:
+    def split(rows: torch.Tensor, offset: int, depth: int) -> None:
+        rows = rows[past[rows] > offset]
+        if rows.numel() < 2:
+            return
+        firsts = source[starts[rows] + offset]
+        values, which = torch.unique(firsts, return_inverse=True)
+        for k in range(values.numel()):
+            group = rows[which == k]
+            if group.numel() < 2:
                 continue
-            n = min(past[i] for i in group) - offset
-            head = seqs[group[0]][offset:offset + n]
-            same = torch.stack([seqs[i][offset:offset + n] == head for i in group[1:]]).all(0)
-            run = int(n if bool(same.all()) else int((~same).nonzero()[0]))
+            n = int(past[group].min()) - offset
+            window = source[starts[group, None] + offset + torch.arange(n)]  # [G, n] their next n rows
+            same = (window == window[:1]).all(0)
+            run = n if bool(same.all()) else int((~same).nonzero()[0])
             if run < min_shared:
                 continue
-            segments.append((group[0], offset, run))
-            for i in group:
+            segments.append((int(group[0]), offset, run))
+            for i in group.tolist():
                 paths[i].append(len(segments) - 1)
             if depth + 1 < MAX_DEPTH:
                 split(group, offset + run, depth + 1)
 
-    split(list(range(len(seqs))), 0, 0)
+    split(torch.arange(starts.numel()), 0, 0)
     return segments, paths
 
 
@@ -127,30 +135,36 @@ def plan_paged_step(read_index: torch.Tensor, cu_q: list[int], cu_k: list[int], 
         prefill = tuple((cu_q[i], cu_q[i + 1], cu_k[i], cu_k[i + 1]) for i in range(R) if queries[i])
         return PagedPlan(None, 0, None, prefill, cu_q[-1], 0)
     source = read_index.cpu()
-    seqs = [source[cu_k[i]:cu_k[i + 1]] for i in range(R)]
     decoding = [i for i in range(R) if queries[i] == 1]
-    segments, paths = _shared_segments([seqs[i] for i in decoding], [len(seqs[i]) - 1 for i in decoding],
-                                       min_shared)
+    starts = torch.tensor([cu_k[i] for i in decoding], dtype=torch.int64)
+    ends = torch.tensor([cu_k[i + 1] for i in decoding], dtype=torch.int64)
+    segments, paths = _shared_segments(source, starts, ends - starts - 1, min_shared)
     lengths = [n for _, _, n in segments]
-    parts = [seqs[decoding[o]][off:off + n] for o, off, n in segments]
+    parts = [source[cu_k[decoding[o]] + off:cu_k[decoding[o]] + off + n] for o, off, n in segments]
     start = sum(lengths)
     block = None
     if decoding:
-        own = [seqs[i][sum(lengths[j] for j in path):] for i, path in zip(decoding, paths)]
-        L = max(map(len, own))
-        parts += [torch.cat([mine[:1].expand(L - len(mine)), mine]) for mine in own]  # pads repeat a row it reads
+        own = torch.tensor([sum(lengths[j] for j in path) for path in paths], dtype=torch.int64)
+        mine = ends - starts - own  # [B] each request's own rows
+        L = int(mine.max())
+        # [B, L]: each request's own rows, left-padded with its first (a row it reads: finite values, masked out)
+        positions = torch.maximum(ends[:, None] - L + torch.arange(L), (starts + own)[:, None])
+        parts.append(source[positions].reshape(-1))
         groups = None  # one segment every request reads: the plain (ungrouped) kernels
         if segments and (len(segments) > 1 or any(p != [0] for p in paths)):
             groups = PrefixGroups(lengths, paths)
-        block = RowBlock(start, len(decoding), L, torch.tensor([cu_q[i] for i in decoding], device=device),
-                         torch.tensor([len(m) for m in own], dtype=torch.int32, device=device), groups)
+        query_at = torch.tensor([cu_q[i] for i in decoding], dtype=torch.int64)
+        contiguous = bool((query_at == query_at[0] + torch.arange(len(decoding))).all())
+        block = RowBlock(start, len(decoding), L,
+                         slice(int(query_at[0]), int(query_at[0]) + len(decoding)) if contiguous else
+                         query_at.to(device), mine.to(device=device, dtype=torch.int32), groups)
         start += len(decoding) * L
     prefill = []
     for i in range(R):
         if queries[i] > 1:
-            parts.append(seqs[i])
-            prefill.append((cu_q[i], cu_q[i + 1], start, start + len(seqs[i])))
-            start += len(seqs[i])
+            parts.append(source[cu_k[i]:cu_k[i + 1]])
+            prefill.append((cu_q[i], cu_q[i + 1], start, start + cu_k[i + 1] - cu_k[i]))
+            start += cu_k[i + 1] - cu_k[i]
     readers = [sum(j in p for p in paths) for j in range(len(segments))]
     return PagedPlan(torch.cat(parts).to(device), sum(lengths), block, tuple(prefill), cu_q[-1],
                      sum((r - 1) * n for r, n in zip(readers, lengths)))
@@ -171,18 +185,21 @@ def paged_relay_attention(query: torch.Tensor, key: torch.Tensor, value: torch.T
     """
     H_q, T = query.shape[1], query.shape[2]
     D_v = value.shape[-1]
-    out = query.new_zeros(T, H_q, D_v)
     blk = plan.decode
+    whole = blk is not None and not plan.prefill and blk.rows == T and isinstance(blk.query_index, slice)
+    out = None if whole else query.new_zeros(T, H_q, D_v)  # a decode-only step answers every position itself
     if blk is not None:
         P = plan.prefix_length
         span = slice(blk.start, blk.start + blk.rows * blk.length)
         # [H_kv, B * L, D] -> [B, H_kv, L, D]: a view (the gathered KV is token-major)
         suffix_key = key[0, :, span].unflatten(1, (blk.rows, blk.length)).transpose(0, 1)
         suffix_value = value[0, :, span].unflatten(1, (blk.rows, blk.length)).transpose(0, 1)
-        q = query[0][:, blk.query_index].transpose(0, 1).unsqueeze(2)  # [B, H_q, 1, D]
+        q = query[0][:, blk.query_index].transpose(0, 1).unsqueeze(2)  # [B, H_q, 1, D] (a view when contiguous)
         o = relay_attention(q, key[:, :, :P], value[:, :, :P], suffix_key, suffix_value, scale=scale,
                             suffix_lengths=blk.suffix_lengths, softcap=softcap, sinks=sinks,
                             prefix_groups=blk.groups)  # [B, H_q, 1, D_v]
+        if whole:
+            return o[:, :, 0].unsqueeze(0)
         out[blk.query_index] = o[:, :, 0]
     for q_start, q_end, kv_start, kv_end in plan.prefill:
         out[q_start:q_end] = _prefill_attention(query[:, :, q_start:q_end], key[:, :, kv_start:kv_end],

@@ -51,18 +51,8 @@ def unsupported_reason(model) -> str | None:
     return None
 
 
-def _configs(model) -> list:
-    """Every config object the model's modules read their attention implementation from."""
-    seen = {id(model.config): model.config}
-    for module in model.modules():
-        config = getattr(module, "config", None)
-        if config is not None and attn_implementation(config) is not None:
-            seen.setdefault(id(config), config)
-    return list(seen.values())
-
-
 def _switch_to_relay(model) -> None:
-    configs = _configs(model)
+    configs = attention.model_configs(model)
     stock = [(c, attn_implementation(c)) for c in configs]
     model.set_attn_implementation(attention.relay_name(attn_implementation(model.config)))
     for config, name in stock:  # a sub-config whose own implementation differs from the model's
@@ -70,7 +60,7 @@ def _switch_to_relay(model) -> None:
 
 
 def _switch_back(model, original: str) -> None:
-    configs = _configs(model)
+    configs = attention.model_configs(model)
     if is_relay_name(attn_implementation(model.config)):  # a choice the user made after patch stays
         model.set_attn_implementation(original)
     for config in configs:

@@ -58,7 +58,8 @@ def _modules_signature(model: torch.nn.Module) -> tuple:
     for name, m in model.named_modules():
         adapters = tuple(str(getattr(m, a, None)) for a in ("_disable_adapters", "_active_adapter", "merged_adapters")
                          if hasattr(m, a))
-        scalars = tuple((k, v) for k, v in vars(m).items() if not k.startswith("_") and isinstance(v, _SCALARS))
+        scalars = tuple((k, v) for k, v in vars(m).items()
+                        if not k.startswith(("_", "relay_")) and isinstance(v, _SCALARS))  # relay_hf's own: not read
         out.append((name, type(m), m.training, adapters, _hooks(m._forward_hooks), _hooks(m._forward_pre_hooks),
                     scalars))
     from torch.nn.modules import module as torch_module

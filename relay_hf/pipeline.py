@@ -226,30 +226,10 @@ class RelayTextGenerationPipeline(TextGenerationPipeline):
         system_prompt = self._system_prompt if system_prompt is None else system_prompt
         return self._caches_for([system_prompt])[0][0] if system_prompt is not None else None
 
-    def _caches_for(self, system_prompts) -> tuple[list[RelayCache | None], list[bytes]]:
-        """One ``RelayCache`` per system prompt (``None`` where it has no prefix, or no prefix may be kept now:
-        ``policy.keep_reason``), its KV taken from the model's prefix store where it was kept for the model as it is
-        now, else prefilled and kept; then the least recently used are dropped down to ``prefix_cache_bytes`` (these
-        excepted). Also returns their store keys."""
+    def _caches_for(self, system_prompts) -> tuple[list[RelayCache | None], list[tuple]]:
+        """One ``RelayCache`` per system prompt (``kept_caches``) and their store keys."""
         with self._lock:
-            if keep_reason(self.model) is not None:
-                return [None for _ in system_prompts], []
-            store, depends = prefix_store(self.model)
-            out, used = [], []
-            for system_prompt in system_prompts:
-                ids = self.prefix_ids(system_prompt)
-                if ids is None:
-                    out.append(None)
-                    continue
-                tree = PrefixTree.from_prefixes([ids])
-                cache = RelayCache.from_tree(self.model, tree, store, depends)
-                if cache.kept_tokens:
-                    relay_state(self.model).counters.add(prefix_hits=1, prefill_tokens_saved=cache.kept_tokens)
-                out.append(cache)
-                used.append(segment_key(tree, 0))
-            if store is not None:
-                store.trim(keep=used)
-            return out, used
+            return kept_caches(self.model, [self.prefix_ids(p) for p in system_prompts])
 
     def kept_system_prompts(self) -> int:
         """How many prefilled prefixes the model keeps now (this pipeline's system prompts, and what its
@@ -268,7 +248,7 @@ class RelayTextGenerationPipeline(TextGenerationPipeline):
             caches, used = self._caches_for(distinct)
             if all(c is not None for c in caches):
                 # one cache holding them all (a job whose batches mix the same few prompts packs them once)
-                cache = caches[0] if len(caches) == 1 else self._packed(used, caches)
+                cache = caches[0] if len(caches) == 1 else packed_cache(self._store, used, caches)
                 n_pad = left_padding(mask if mask is not None else torch.ones_like(ids))
                 if n_pad is not None and _matches(cache, ids, n_pad):
                     generate_kwargs[cache_kwarg_name(self.model)] = cache
@@ -278,13 +258,37 @@ class RelayTextGenerationPipeline(TextGenerationPipeline):
         with store.holding(used):  # another thread's batch does not evict this one's prompts meanwhile
             return super()._forward(model_inputs, **generate_kwargs)
 
-    def _packed(self, keys: list[bytes], caches: list[RelayCache]) -> RelayCache:
-        """The system prompts of one batch packed into one cache, kept while its prompts are (``store.packed``): a
-        job whose batches mix the same few prompts packs them once."""
-        store = self._store
-        if store is None or not all(k in store for k in keys):
-            return RelayCache.combine(caches)
-        return store.packed(keys, lambda _: RelayCache.combine(caches))
+
+def kept_caches(model, prefixes: list) -> tuple[list[RelayCache | None], list[tuple]]:
+    """One ``RelayCache`` per prefix (``[P]`` ids, or ``None``: no prefix, no cache), its KV taken from the model's
+    prefix store where it was kept for the model as it is now, else prefilled and kept; then the least recently used
+    are dropped down to the store's budget (these excepted). ``None`` for every prefix when none may be kept now
+    (``policy.keep_reason``). Also returns their store keys, for the call to hold while it runs."""
+    if keep_reason(model) is not None:
+        return [None for _ in prefixes], []
+    store, depends = prefix_store(model)
+    out, used = [], []
+    for ids in prefixes:
+        if ids is None:
+            out.append(None)
+            continue
+        tree = PrefixTree.from_prefixes([ids])
+        cache = RelayCache.from_tree(model, tree, store, depends)
+        if cache.kept_tokens:
+            relay_state(model).counters.add(prefix_hits=1, prefill_tokens_saved=cache.kept_tokens)
+        out.append(cache)
+        used.append(segment_key(tree, 0))
+    if store is not None:
+        store.trim(keep=used)
+    return out, used
+
+
+def packed_cache(store: PrefixStore | None, keys: list[tuple], caches: list[RelayCache]) -> RelayCache:
+    """The system prompts of one batch packed into one cache (``RelayCache.combine``), kept while its prompts are
+    (``store.packed``): a job whose batches mix the same few prompts packs them once."""
+    if store is None or not all(k in store for k in keys):
+        return RelayCache.combine(caches)
+    return store.packed(keys, lambda _: RelayCache.combine(caches))
 
 
 class _ItemDataset(torch.utils.data.Dataset):

@@ -19,10 +19,9 @@ from .continuous import RelayContinuousBatching
 from .generate import RelayFallbackWarning, RelayGenerate
 from .names import is_relay_name
 from .policy import DECODE_MODES
-from .prefill import segment_nbytes
 from .probe import probe_reason
 from .state import RelayState
-from .store import PrefixStore
+from .store import checked_budget
 
 DEFAULT_MIN_PREFIX_LENGTH = 32
 CPU_PREFIX_CACHE_BYTES = 256 * 2**20  # the prefix store's budget off CUDA: a few system prompts of a small model
@@ -112,7 +111,7 @@ def patch(model, *, min_prefix_length: int = DEFAULT_MIN_PREFIX_LENGTH, decode: 
         raise ValueError(f"min_prefix_length must be a non-negative int, got {min_prefix_length!r}")
     if decode not in DECODE_MODES:
         raise ValueError(f"decode must be one of {DECODE_MODES}, got {decode!r}")
-    budget = PrefixStore(prefix_cache_bytes, segment_nbytes).budget_bytes if prefix_cache_bytes is not None else None
+    budget = checked_budget(prefix_cache_bytes) if prefix_cache_bytes is not None else None
     if hasattr(model, "_orig_mod"):  # torch.compile's wrapper: no generate of its own to patch
         raise ValueError("relay_hf.patch needs the model itself, not a torch.compile wrapper: patch the model, then "
                          "compile its forward if you like (or ask generate for a compiled decode with "
@@ -122,7 +121,7 @@ def patch(model, *, min_prefix_length: int = DEFAULT_MIN_PREFIX_LENGTH, decode: 
         state.min_prefix_length = min_prefix_length
         state.decode = decode
         if budget is not None:
-            state.prefix_cache_bytes = state.store.budget_bytes = budget
+            state.store.budget_bytes = budget
             state.store.trim()
         return model
     original = attn_implementation(model.config)

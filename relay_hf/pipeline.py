@@ -43,10 +43,10 @@ from ._compat import cache_kwarg_name, chat_messages, pipeline_chat
 from .cache import RelayCache
 from .patch import hold_patch
 from .policy import CACHE_NAMES, keep_reason, prefix_store
-from .prefill import segment_key, segment_nbytes
+from .prefill import segment_key
 from .prefix import PrefixTree, common_prefix_length, left_padding
 from .state import relay_state
-from .store import PrefixStore
+from .store import PrefixStore, checked_budget
 
 TASK = "relay-text-generation"
 # two user turns that differ from their first character, to find where the rendered conversations diverge
@@ -60,8 +60,9 @@ class RelayTextGenerationPipeline(TextGenerationPipeline):
 
     Args:
         system_prompt: the system message of every input that brings none (``None``: none).
-        prefix_cache_bytes: bytes of prefilled system prompts kept between calls (default 1 GiB), least recently used
-            dropped first; a batch's own prompts are kept while it runs, even past the budget.
+        prefix_cache_bytes: sets the budget of the model's prefix store (``patch(model, prefix_cache_bytes=...)``),
+            which keeps the system prompts between calls, least recently used dropped first; a batch's own prompts are
+            kept while it runs, even past the budget. ``None``: the model's budget as it is.
 
     What it does to the objects you pass:
 
@@ -86,7 +87,7 @@ class RelayTextGenerationPipeline(TextGenerationPipeline):
         if system_prompt is not None and not isinstance(system_prompt, str):
             raise ValueError("a pipeline's system_prompt is one string (a list per input goes with the call)")
         if prefix_cache_bytes is not None:  # refused before the model is touched
-            PrefixStore(prefix_cache_bytes, segment_nbytes)
+            checked_budget(prefix_cache_bytes)
         super().__init__(model, _left_padding_tokenizer(tokenizer), *args, **kwargs)
         self._system_prompt = system_prompt
         self._lock = threading.RLock()
@@ -122,13 +123,11 @@ class RelayTextGenerationPipeline(TextGenerationPipeline):
 
     @prefix_cache_bytes.setter
     def prefix_cache_bytes(self, value: int) -> None:
+        value = checked_budget(value)
         store = self._store
-        if store is None:
-            PrefixStore(value, segment_nbytes)  # validated all the same
-            return
-        store.budget_bytes = value
-        relay_state(self.model).prefix_cache_bytes = value
-        store.trim()
+        if store is not None:
+            store.budget_bytes = value
+            store.trim()
 
     def close(self) -> None:
         """Drop the prefilled system prompts and let go of the patch this pipeline applied (see the class docstring);

@@ -8,7 +8,7 @@ thing, the idle static caches (and the decode steps captured on them), are hande
 from __future__ import annotations
 
 import threading
-from dataclasses import dataclass, field
+from dataclasses import InitVar, dataclass, field
 
 from .prefill import segment_nbytes
 from .stats import Counters
@@ -34,7 +34,8 @@ class RelayState:
         min_prefix_length: shortest shared prefix (tokens) worth a separate prefill.
         declined: why ``patch`` left the model on its own attention (``None``: relay serves it).
         decode: which decode loop ``patch(model, decode=...)`` chose (``policy.loop_wanted``).
-        prefix_cache_bytes: the budget of ``store`` (prefilled prefix segments kept between calls; 0: none).
+        prefix_cache_bytes: the initial budget of ``store``, the prefilled prefix segments kept between calls (``0``:
+            none); it lives in ``store.budget_bytes`` from then on.
         counters: what ``relay_hf.stats`` reports.
     """
 
@@ -42,15 +43,15 @@ class RelayState:
     min_prefix_length: int
     declined: str | None
     decode: str = "auto"
-    prefix_cache_bytes: int = 0
+    prefix_cache_bytes: InitVar[int] = 0
     counters: Counters = field(default_factory=Counters, repr=False)  # ``relay_hf.stats``
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
     _idle: list = field(default_factory=list, repr=False)
     MAX_IDLE = 2
 
-    def __post_init__(self):
-        # prefilled prefix segments kept between calls (generate and the pipeline), within prefix_cache_bytes
-        self.store = PrefixStore(self.prefix_cache_bytes, segment_nbytes)
+    def __post_init__(self, prefix_cache_bytes: int):
+        # prefilled prefix segments kept between calls (generate and the pipeline), within the budget
+        self.store = PrefixStore(prefix_cache_bytes, segment_nbytes)
 
     def take_static(self, fits) -> StaticSlot | None:
         """The first idle slot (most recent first) for which ``fits(slot.cache)`` holds, now owned by the caller. When
@@ -80,7 +81,8 @@ class RelayState:
 
     def __getstate__(self):  # pickling / deepcopy of a patched model: settings only, no lock, no buffers or graphs
         return {"original_attn": self.original_attn, "min_prefix_length": self.min_prefix_length,
-                "declined": self.declined, "decode": self.decode, "prefix_cache_bytes": self.prefix_cache_bytes}
+                "declined": self.declined, "decode": self.decode,
+                "prefix_cache_bytes": self.store.budget_bytes}
 
     def __setstate__(self, state):
         self.__init__(**state)

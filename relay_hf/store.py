@@ -79,6 +79,14 @@ def kv_dependencies(model: torch.nn.Module) -> tuple:
             _modules_signature(model))
 
 
+def checked_budget(value) -> int:
+    """``value`` when it is a valid store budget (a non-negative ``int`` of bytes), else ``ValueError`` naming it."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(f"prefix_cache_bytes (the prefix store's budget) must be a non-negative int of bytes, "
+                         f"got {value!r}")
+    return value
+
+
 class PrefixStore:
     """Values (prefilled ``RelayCache``s) kept by key, least recently used first out, within ``budget_bytes``.
 
@@ -107,10 +115,7 @@ class PrefixStore:
     @budget_bytes.setter
     def budget_bytes(self, value: int) -> None:
         """A new budget; entries beyond it go at the next ``trim``."""
-        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-            raise ValueError(f"prefix_cache_bytes (the prefix store's budget) must be a non-negative int of bytes, "
-                             f"got {value!r}")
-        self._budget = value
+        self._budget = checked_budget(value)
 
     def get(self, key: Hashable, depends: object, build: Callable[[], object]) -> object:
         """The value kept for ``key``, or ``build()``'s (then kept). Entries built under other ``depends`` than

@@ -85,9 +85,10 @@ def plan_step(model, args, kwargs):
     cu_k = (next(iter(cu_k.values())) if isinstance(cu_k, dict) else cu_k).tolist()
     state = model._relay_state
     plan = plan_paged_step(read[0], cu_q[:len(cu_k)], cu_k, max(1, state.min_prefix_length), read[0].device)
-    if plan.shared_tokens:
+    if plan.shared_tokens:  # bytes per token taken when the manager started (a walk over the modules: not per step)
+        token_bytes = model.__dict__["init_continuous_batching"].kv_token_bytes
         state.counters.add(relay_steps=1, relay_rows=plan.decode.rows,
-                           kv_bytes_not_reread=plan.shared_tokens * kv_bytes_per_token(model))
+                           kv_bytes_not_reread=plan.shared_tokens * token_bytes)
     kwargs = dict(kwargs, relay_plan=plan)
     if plan.read_index is not None:
         kwargs["read_index"] = [plan.read_index]
@@ -130,6 +131,7 @@ class RelayContinuousBatching:
         self.__self__ = model
         self._hook = None  # registered by the first manager relay serves (an unpickled model has no hooks yet)
         self.live = 0  # managers running under the relay name now
+        self.kv_token_bytes = 0  # one token's KV bytes (stats.kv_bytes_per_token), taken as a relay manager starts
         self._relay = None  # the relay name the model goes back to
 
     def remove_hook(self) -> None:
@@ -152,6 +154,7 @@ class RelayContinuousBatching:
             if why is None:
                 if self._hook is None:
                     self._hook = model.register_forward_pre_hook(plan_step, with_kwargs=True)
+                self.kv_token_bytes = kv_bytes_per_token(model)
                 continuous_batching_config = _without_graphs(cb_config)
                 if not self.live:
                     for config in model_configs(model):

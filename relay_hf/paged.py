@@ -178,7 +178,7 @@ def paged_relay_attention(query: torch.Tensor, key: torch.Tensor, value: torch.T
     Args:
         query: ``[1, H_q, T', D]`` the step's packed queries (``T' >= plan.tokens``).
         key, value: ``[1, H_kv, N, D]`` / ``[1, H_kv, N, D_v]`` the KV the cache gathered through
-            ``plan.read_index`` (or the step's new KV, which ``plan.kv_index`` lays out), any strides.
+            ``plan.read_index`` (or, when the step reads no cache, the step's new KV as it is), any strides.
 
     Returns:
         ``[1, T', H_q, D_v]`` (an attention function's layout); positions no request owns are zeros.

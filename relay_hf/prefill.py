@@ -103,9 +103,9 @@ def prefill_tree(model, tree: PrefixTree, store=None, depends=None) -> Prefilled
         if store is None:
             states[j] = prefill(j)
             continue
-        misses = store.misses
-        states[j] = store.get(segment_key(tree, j), depends, lambda j=j: prefill(j))
-        kept += tree.lengths[j] if store.misses == misses else 0
+        built = []  # whether this call's lookup prefilled it (the store's counters are shared with other threads)
+        states[j] = store.get(segment_key(tree, j), depends, lambda j=j, built=built: built.append(j) or prefill(j))
+        kept += 0 if built else tree.lengths[j]
     # a sliding-window layer keeps of each segment only what a query after it can see (its last window - 1
     # tokens), where that saves enough; every other layer keeps it all
     windows = [trim_window(w, tree.lengths) for w in layer_windows(model)]

@@ -13,8 +13,10 @@ so every call makes exactly ``max_new_tokens`` tokens. Modes:
   DynamicCache (not timed), per call a deep copy expanded to the batch (timed) passed to ``generate`` (one system
   prompt only: the recipe has no way to give rows different ones).
 * ``static``: ``generate(..., cache_implementation="static")``: transformers' compiled decode.
-* ``relay``: ``relay_hf.patch(model)``, then plain ``generate`` (on CUDA: relay_hf's loop, CUDA graphs of the eager
-  step).
+* ``relay``: ``relay_hf.patch(model)``, then plain ``generate`` (on CUDA: relay_hf's loop, CUDA graphs of the step,
+  whose decoder layer is compiled for fp16 / bf16).
+* ``relay_graph``: ``relay_hf.patch(model, decode="graph")``, then plain ``generate`` (relay_hf's loop, CUDA graphs
+  of the eager step).
 * ``relay_eager``: ``relay_hf.patch(model, decode="eager")``, then plain ``generate`` (transformers' loop).
 * ``relay_compiled``: ``relay_hf.patch(model)``, then ``generate(..., cache_implementation="static")`` (relay_hf's
   loop with the forward compiled by inductor).
@@ -94,7 +96,7 @@ SHAPES = {
 }
 # what a point measures (``--only`` picks some: a slow stock baseline need not run every call)
 METRIC_GROUPS = ("ttft", "step", "streamed", "sampling", "new_batch", "longer_prompt", "kv_memory", "host")
-MODES = ("stock", "prefix_reuse", "static", "relay", "relay_eager", "relay_compiled")
+MODES = ("stock", "prefix_reuse", "static", "relay", "relay_graph", "relay_eager", "relay_compiled")
 SAMPLING = dict(do_sample=True, top_p=0.9, temperature=0.7)
 
 
@@ -129,7 +131,7 @@ def _kwargs_for(model, mode: str, system: torch.Tensor, stock_prefill_chunk: int
 
     relay_hf.unpatch(model)  # also drops the static cache and captured step of an earlier point
     if mode.startswith("relay"):
-        relay_hf.patch(model, decode="eager" if mode == "relay_eager" else "auto")
+        relay_hf.patch(model, decode={"relay_eager": "eager", "relay_graph": "graph"}.get(mode, "auto"))
     if mode in ("static", "relay_compiled"):
         return lambda B: dict(cache_implementation="static")
     if mode == "stock" and stock_prefill_chunk:

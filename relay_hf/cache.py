@@ -223,7 +223,11 @@ class RelayCache(Cache):
             self._set_groups(self._groups.select(torch.arange(self._groups.rows)[indices.cpu()].tolist()))
 
     def update(self, key_states, value_states, layer_idx: int, *args, **kwargs):
-        layer = self.layers[layer_idx]
+        return self.update_layer(self.layers[layer_idx], key_states, value_states)
+
+    def update_layer(self, layer: RelayLayer, key_states, value_states):
+        """``update`` of the entry ``layer`` (one of ``self.layers``), for a caller that holds the entry rather than
+        its index (``regional.LayerCacheView``: a compiled layer must not depend on its index)."""
         # relay attention reads RelayKV; any other implementation (or a layer with no prefix) gets stock's tensors
         if self.relay_active and (layer.prefix_keys is not None or layer.is_compileable):
             return layer.relay_update(key_states, value_states)

@@ -7,8 +7,10 @@ measured by ``benchmarks/generate.py``). Here a step is two graph replays and no
 
 * the forward (``_forward``): the model on the last tokens of ``rows`` rows, where ``rows`` is the batch rounded up to
   a capture size (``DecodeConfig.row_buckets``), so a new batch size reuses the graph of its bucket; the extra rows are
-  copies of row 0 whose tokens are dropped. Eager ops captured as they are (the default), or compiled by inductor
-  first (``decode="compile"``, or a call that asks for a compiled decode the transformers way);
+  copies of row 0 whose tokens are dropped. Eager ops captured as they are, or compiled by inductor first (the
+  default for fp16 / bf16 on CUDA, ``policy.compiled_by_default``; ``decode="compile"``; or a call that asks for a
+  compiled decode the transformers way): one decoder layer compiled for all layers, buckets and prompt lengths
+  (``regional.py``), its artifacts kept across processes (``artifacts.py``);
 * the choice (``_choose``): stock's own logits processors and draw for the real rows, as eager ops (so every score is
   what stock computes, bit for bit), captured too. The draw is ``torch.multinomial``'s own one-sample algorithm
   (``argmax(probs / Exp(1) noise)``) without its host-side value check, on the device generator, so a seeded call
@@ -35,7 +37,9 @@ from dataclasses import dataclass
 import torch
 from transformers import GenerationConfig
 
+from . import artifacts
 from ._compat import cache_kwarg_name, logits_processors
+from .regional import decode_view, decoder_layers, region_function
 
 logger = logging.getLogger("relay_hf")
 
@@ -254,6 +258,11 @@ def _forward(model, name: str, cache, tok: torch.Tensor, pos: torch.Tensor) -> t
     return logits[:, -1, :]
 
 
+def _regional_forward(model, name: str, cache, tok: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+    """``_forward`` on ``regional.decode_view``'s copy of the model (its decoder layers compiled)."""
+    return _forward(model, name, cache, tok, pos)
+
+
 # the step's warnings name fast_generate's caller: the stacklevel of one raised in a method that ``__call__`` calls
 # (that method, __call__, fast_generate, its caller), and of one raised a level further down
 _WARN_IN_STEP, _WARN_BELOW_STEP = 4, 5
@@ -286,7 +295,9 @@ class DecodeStep:
     step after the last captures it: ``Captured(graph)``, or ``Eager(reason)``. Off CUDA: ``Eager`` throughout. The
     choice follows its forward (``_Choice``). Apart from that, a compiled forward (``compile_config``) that fails to
     compile runs uncompiled from then on, after a warning (``compiled`` turns false); the failed step does not count
-    as a warm-up step."""
+    as a warm-up step. The compiled forward is the model's forward over ``regional.decode_view`` (its decoder layers
+    through the model's one compiled region) where ``regional.decoder_layers`` finds the layers, else the whole
+    forward compiled."""
 
     def __init__(self, model, cache, rows: int, compile_config, key: tuple, decode: DecodeConfig):
         device = model.device
@@ -295,10 +306,20 @@ class DecodeStep:
         self.tok = torch.zeros(rows, 1, dtype=torch.long, device=device)  # [Rb, 1] graph inputs
         self.pos = torch.zeros_like(self.tok)
         self.logits: torch.Tensor | None = None  # [Rb, V] of the last forward (a captured forward's own buffer)
-        self.fn = _forward
+        self.fn, self.runner, self.artifacts = _forward, model, None
         if compile_config is not None:
-            self.fn = torch.compile(_forward, dynamic=False,
-                                    **step_compile_kwargs(compile_config, device.type, decode.step_inductor_options))
+            kwargs = step_compile_kwargs(compile_config, device.type, decode.step_inductor_options)
+            layers = decoder_layers(model)
+            if layers is not None:  # one graph for every decoder layer, bucket and prompt length (regional.py)
+                region = model._relay_state.region(
+                    repr(kwargs), lambda: torch.compile(region_function(), dynamic=None, **kwargs))
+                self.runner = decode_view(model, layers[0], cache, region)
+                self.fn = _regional_forward
+            else:
+                self.fn = torch.compile(_forward, dynamic=False, **kwargs)
+            if kwargs["backend"] == "inductor":  # what inductor compiles is kept across processes (artifacts.py)
+                self.artifacts = artifacts.artifact_path(model, f"{'regional' if layers else 'whole'} {kwargs!r}")
+                artifacts.load(self.artifacts)
         self.state: Warming | Captured | Eager = (Warming(WARM_UP_STEPS) if device.type == "cuda" else
                                                   Eager("CUDA graphs need a CUDA device"))
         self.choice: _Choice | None = None
@@ -359,6 +380,8 @@ class DecodeStep:
             if self.state.__class__ is Eager:  # nothing ran: this step runs eagerly, and so does the choice
                 self.logits = self._run()
                 self.choice.state = Eager(self.state.reason)
+            elif self.compiled and self.artifacts is not None:
+                artifacts.save(self.artifacts)
 
     def _run_eagerly(self, side: torch.cuda.Stream | None, stacklevel: int) -> bool:
         """The forward as eager ops, on the ``side`` stream when given (a warm-up step). ``False`` when the compiled
@@ -378,12 +401,12 @@ class DecodeStep:
                 raise
             warnings.warn(f"relay_hf: compiling the decode step failed ({type(err).__name__}: {err}); decoding "
                           "eagerly", RuntimeWarning, stacklevel=stacklevel)
-            self.fn = _forward
+            self.fn, self.runner = _forward, self.model
             self.logits = self._run()
             return False
 
     def _run(self) -> torch.Tensor:
-        return self.fn(self.model, self.name, self.cache, self.tok, self.pos)
+        return self.fn(self.runner, self.name, self.cache, self.tok, self.pos)
 
     def _choose_uncaptured(self, choice: _Choice) -> None:
         if choice.state.__class__ is Pending and self.state.__class__ is Captured:  # the logits buffer stays put
@@ -444,7 +467,10 @@ def _step_for(model, slot, rows: int, compile_config, decode: DecodeConfig) -> D
         return slot.stepper
     slot.stepper = None  # free the old graphs' pool first
     if model.device.type == "cuda":
-        how = "compiling it with inductor and capturing" if compile_config is not None else "capturing"
+        how = "capturing"
+        if compile_config is not None:
+            how = ("compiling one decoder layer for all (kept in relay_hf.artifacts.cache_dir()) and capturing"
+                   if decoder_layers(model) is not None else "compiling it with inductor and capturing")
         logger.warning("relay_hf: one-time setup for %d rows x %d suffix positions: %s the decode step as CUDA graphs",
                        rows, slot.cache.layers[0].max_suffix_length, how)
     slot.stepper = DecodeStep(model, slot.cache, rows, compile_config, key, decode)

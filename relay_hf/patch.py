@@ -93,11 +93,13 @@ def patch(model, *, min_prefix_length: int = DEFAULT_MIN_PREFIX_LENGTH, decode: 
         model: a transformers causal LM. Patched in place (this instance only) and returned.
         min_prefix_length: shortest common prefix (tokens) worth a separate prefill; shorter runs stock.
         decode: which loop decodes (``policy.loop_wanted``). ``"auto"``: relay_hf's loop on CUDA, each step
-            replayed as CUDA graphs of the eager step (no compile), transformers' loop elsewhere; ``"graph"``:
-            relay_hf's loop on any device; ``"compile"``: relay_hf's loop with the forward compiled by inductor
-            before capture (faster steps, a long first call per batch bucket); ``"eager"``: transformers' loop.
-            A call that asks for a compiled decode (``cache_implementation="static"``, ``compile_config``) gets the
-            compiled loop whatever the mode.
+            replayed as CUDA graphs; for fp16 / bf16 models the step's decoder layer is compiled by inductor first
+            (one layer's graph serves every layer, batch bucket and prompt length; its artifacts are kept across
+            processes, ``relay_hf.artifacts``), fp32 captures the eager step; transformers' loop elsewhere.
+            ``"graph"``: relay_hf's loop on any device, the eager step captured; ``"compile"``: relay_hf's loop with
+            the forward compiled, on any dtype; ``"eager"``: transformers' loop. A call that asks for a compiled
+            decode (``cache_implementation="static"``, ``compile_config``) gets the compiled loop whatever the mode;
+            ``disable_compile=True`` keeps the captured eager step.
         prefix_cache_bytes: bytes of prefilled prefixes kept between calls (a system prompt prefilled by one
             ``generate`` call serves the next ones; least recently used out; ``relay_hf.clear_prefixes`` empties
             it); ``None``: ``default_prefix_cache_bytes``; ``0``: nothing kept.

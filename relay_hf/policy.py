@@ -522,5 +522,15 @@ def static_shape(model, gen: GenerationConfig, cache: RelayCache | None, groupin
     # with tables relay_hf's loop replays the captured eager step: the tables change per call in place, which an
     # inductor graph would have to guard on
     compiled = (compile_config(model, gen) if fast and not tables
-                and (asked_static or model._relay_state.decode == "compile") else None)
+                and (asked_static or model._relay_state.decode == "compile" or compiled_by_default(model))
+                else None)
     return static, compiled
+
+
+def compiled_by_default(model) -> bool:
+    """Whether ``patch(model)``'s default (``decode="auto"``) compiles the loop's forward: on CUDA for fp16 / bf16
+    models (one decoder layer compiled for all, ``regional.py``: a few seconds once, kept across processes). fp32
+    keeps the captured eager step, which is token-identical to stock (inductor's fused reductions round
+    differently)."""
+    return (model._relay_state.decode == "auto" and model.device.type == "cuda"
+            and model.dtype in (torch.float16, torch.bfloat16))

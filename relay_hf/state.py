@@ -47,6 +47,7 @@ class RelayState:
     counters: Counters = field(default_factory=Counters, repr=False)  # ``relay_hf.stats``
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
     _idle: list = field(default_factory=list, repr=False)
+    _regions: dict = field(default_factory=dict, repr=False)
     MAX_IDLE = 2
 
     def __post_init__(self, prefix_cache_bytes: int):
@@ -69,6 +70,15 @@ class RelayState:
         with self._lock:
             self._idle.insert(0, slot)
             del self._idle[self.MAX_IDLE:]
+
+    def region(self, key, make):
+        """The compiled decoder-layer region for ``key`` (the compile settings; ``regional.py``), made by ``make()``
+        the first time: shared by the decode steps of every batch bucket and prompt length, so a new one compiles
+        nothing."""
+        with self._lock:
+            if key not in self._regions:
+                self._regions[key] = make()
+            return self._regions[key]
 
     def idle_static(self) -> StaticSlot | None:
         """The most recent idle slot, for inspection (tests, benchmarks); do not use it while a call may run."""

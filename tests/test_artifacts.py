@@ -1,0 +1,75 @@
+"""The compiled decode step's artifacts kept across processes (relay_hf/artifacts.py): where they live, what keys
+them, and that reading or writing them never fails a call."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+from relay_hf import artifacts
+from tests.helpers import REPO, tiny_model
+
+
+def test_cache_dir_follows_the_environment(monkeypatch, tmp_path):
+    monkeypatch.setenv("RELAY_HF_CACHE_DIR", str(tmp_path / "explicit"))
+    assert artifacts.cache_dir() == tmp_path / "explicit"
+    monkeypatch.delenv("RELAY_HF_CACHE_DIR")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert artifacts.cache_dir() == tmp_path / "xdg" / "relay_hf"
+
+
+def test_the_key_is_the_model_shape_dtype_and_settings(monkeypatch, tmp_path):
+    monkeypatch.setenv("RELAY_HF_CACHE_DIR", str(tmp_path))
+    model = tiny_model("llama")
+    path = artifacts.artifact_path(model, "regional a")
+    assert path.parent == tmp_path / "compiled" and path == artifacts.artifact_path(tiny_model("llama"), "regional a")
+    assert path != artifacts.artifact_path(model, "regional b")
+    assert path != artifacts.artifact_path(tiny_model("llama", num_hidden_layers=3), "regional a")
+    assert path != artifacts.artifact_path(tiny_model("llama").to(torch.bfloat16), "regional a")
+
+
+def test_a_missing_or_damaged_file_is_ignored(tmp_path):
+    assert not artifacts.load(tmp_path / "missing.bin")
+    damaged = tmp_path / "damaged.bin"
+    damaged.write_bytes(b"not torch's cache artifacts")
+    assert not artifacts.load(damaged)
+    assert not artifacts.load(damaged)  # tried once per process
+
+
+def test_a_file_that_cannot_be_written_fails_nothing(tmp_path):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    artifacts.save(blocker / "compiled" / "x.bin")  # its directory cannot be made: logged, not raised
+    assert not (blocker / "compiled").exists()
+
+
+@pytest.mark.long  # two inductor compiles on CPU (~35 s on 2 cores)
+def test_what_one_process_compiles_another_loads(tmp_path):
+    """A process that compiled with inductor writes the file; a second process loads it before compiling."""
+    script = textwrap.dedent(f"""
+        import sys, torch
+        from pathlib import Path
+        from relay_hf import artifacts
+        path = Path({str(tmp_path / "step.bin")!r})
+        loaded = artifacts.load(path)
+        f = torch.compile(lambda x: torch.sin(x) * 2 + 1)
+        f(torch.randn(8))
+        artifacts.save(path)
+        print("loaded" if loaded else "compiled", path.exists() and path.stat().st_size > 0)
+    """)
+    env = {"TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor"), "PYTHONPATH": str(REPO)}
+
+    def run() -> str:
+        import os
+
+        done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=600,
+                              env={**os.environ, **env}, cwd=REPO)
+        assert done.returncode == 0, done.stderr[-2000:]
+        return done.stdout.split()[-2:]
+
+    assert run() == ["compiled", "True"]
+    assert run() == ["loaded", "True"]

@@ -70,13 +70,6 @@ VARIANTS = {
     "stages2": dict(tiles=((64, (64, 4, 2)), (128, (64, 4, 2)), (256, (32, 8, 2)))),
     "n32": dict(tiles=((64, (32, 4, 3)), (128, (32, 4, 3)), (256, (32, 8, 2)))),
     "merge8x1": dict(merge_tile=(8, 1)),
-    "prefix_n128": dict(prefix_tiles=((64, (64, 128, 8, 3)), (128, (64, 128, 8, 3)), (256, (64, 32, 8, 2)))),
-    "prefix_stages4": dict(prefix_tiles=((64, (64, 64, 4, 4)), (128, (64, 64, 4, 4)), (256, (64, 32, 8, 2)))),
-    "prefix_m128": dict(prefix_tiles=((64, (128, 64, 8, 3)), (128, (128, 64, 8, 3)), (256, (64, 32, 8, 2)))),
-    "prefix_warps8": dict(prefix_tiles=((64, (64, 64, 8, 3)), (128, (64, 64, 8, 3)), (256, (64, 32, 8, 2)))),
-    "separate_waves1": dict(separate_split=(1, 4)),
-    "separate_waves3": dict(separate_split=(3, 4)),
-    "separate_budget8": dict(separate_split=(2, 8)),
 }
 TUNE_CASES = [(4096, 32), (16384, 32), (4096, 64), (4096, 128), (1024, 8)]
 

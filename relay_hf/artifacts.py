@@ -15,6 +15,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
+import tempfile
 import threading
 from pathlib import Path
 
@@ -32,13 +33,25 @@ def cache_dir() -> Path:
     explicit = os.environ.get("RELAY_HF_CACHE_DIR")
     if explicit:
         return Path(explicit)
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    base = os.environ.get("XDG_CACHE_HOME")
+    if not base:
+        home = os.path.expanduser("~")
+        base = os.path.join(home if os.path.isabs(home) else tempfile.gettempdir(), ".cache")  # no home: temp
     return Path(base) / "relay_hf"
 
 
-def artifact_path(model, settings: str) -> Path:
+def artifact_path(model, settings: str) -> Path | None:
     """The file for ``model``'s compiled region under ``settings`` (the compile arguments): keyed by the model's class
-    and config, its dtype and device kind, and the versions of torch, transformers, triton and relay_hf."""
+    and config, its dtype and device kind, and the versions of torch, transformers, triton and relay_hf. ``None``
+    (nothing kept) when the key cannot be built, e.g. a config attribute that does not serialise."""
+    try:
+        return _artifact_path(model, settings)
+    except Exception as err:  # noqa: BLE001 - never lose the user's call over a cache file
+        logger.info("relay_hf: not keeping compiled artifacts (%s: %s)", type(err).__name__, err)
+        return None
+
+
+def _artifact_path(model, settings: str) -> Path:
     import transformers
 
     from . import __version__

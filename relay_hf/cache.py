@@ -225,6 +225,17 @@ class RelayCache(Cache):
     def update(self, key_states, value_states, layer_idx: int, *args, **kwargs):
         return self.update_layer(self.layers[layer_idx], key_states, value_states)
 
+    def fill_marks(self) -> list:
+        """Each static layer's fill positions, copied (``StaticRelayLayer.fill_marks``; ``None`` for other layers):
+        a forward that fails after some layers wrote their step is put back with ``rewind`` before it runs again."""
+        return [getattr(layer, "fill_marks", lambda: None)() for layer in self.layers]
+
+    def rewind(self, marks: list) -> None:
+        """Put ``fill_marks``'s positions back."""
+        for layer, mark in zip(self.layers, marks, strict=True):
+            if mark is not None:
+                layer.rewind(mark)
+
     def update_layer(self, layer: RelayLayer, key_states, value_states):
         """``update`` of the entry ``layer`` (one of ``self.layers``), for a caller that holds the entry rather than
         its index (``regional.LayerCacheView``: a compiled layer must not depend on its index)."""

@@ -319,7 +319,8 @@ class DecodeStep:
                 self.fn = torch.compile(_forward, dynamic=False, **kwargs)
             if kwargs["backend"] == "inductor":  # what inductor compiles is kept across processes (artifacts.py)
                 self.artifacts = artifacts.artifact_path(model, f"{'regional' if layers else 'whole'} {kwargs!r}")
-                artifacts.load(self.artifacts)
+                if self.artifacts is not None:
+                    artifacts.load(self.artifacts)
         self.state: Warming | Captured | Eager = (Warming(WARM_UP_STEPS) if device.type == "cuda" else
                                                   Eager("CUDA graphs need a CUDA device"))
         self.choice: _Choice | None = None
@@ -386,21 +387,26 @@ class DecodeStep:
     def _run_eagerly(self, side: torch.cuda.Stream | None, stacklevel: int) -> bool:
         """The forward as eager ops, on the ``side`` stream when given (a warm-up step). ``False`` when the compiled
         forward failed and the step ran uncompiled instead."""
+        # a compiled region may fail at any layer, after the layers before it wrote this step's keys: their fill
+        # positions are put back before the step runs again eagerly (else those layers would hold the token twice)
+        marks = None if self.fn is _forward else self.cache.fill_marks()
         try:
             if side is None:
                 self.logits = self._run()
             else:
                 side.wait_stream(torch.cuda.current_stream())
-                with torch.cuda.stream(side):
-                    self.logits = self._run()
-                torch.cuda.current_stream().wait_stream(side)
+                try:
+                    with torch.cuda.stream(side):
+                        self.logits = self._run()
+                finally:
+                    torch.cuda.current_stream().wait_stream(side)
             return True
         except Exception as err:  # noqa: BLE001 - a compile failure must not lose the user's call
-            # dynamo / inductor fail while compiling, before the step runs, so running it eagerly now is one step
-            if self.fn is _forward:
+            if marks is None:
                 raise
             warnings.warn(f"relay_hf: compiling the decode step failed ({type(err).__name__}: {err}); decoding "
                           "eagerly", RuntimeWarning, stacklevel=stacklevel)
+            self.cache.rewind(marks)
             self.fn, self.runner = _forward, self.model
             self.logits = self._run()
             return False

@@ -353,6 +353,17 @@ class StaticRelayLayer(RelayLayer):
             self._vbuf.copy_(self._vbuf.index_select(0, idx))
             self._lengths.copy_(self._lengths.index_select(0, idx))
 
+    def fill_marks(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Copies of ``(end, row_lengths)``, or ``None`` before the first update: what ``rewind`` puts back."""
+        return None if self._end is None else (self._end.clone(), self._lengths.clone())
+
+    def rewind(self, marks: tuple[torch.Tensor, torch.Tensor] | None) -> None:
+        """Put ``fill_marks``'s copies back in place (the positions after them are written again by the next
+        update, so the buffers need nothing)."""
+        if marks is not None and self._end is not None:
+            self._end.copy_(marks[0])
+            self._lengths.copy_(marks[1])
+
     def crop(self, tokens_to_remove: int) -> None:
         raise NotImplementedError("a static RelayCache cannot be cropped")
 

@@ -14,8 +14,14 @@ call:
   int the compiled graph would specialise on (a recompile per layer). A wrapper hands its layer a ``LayerCacheView``
   of its own entry instead, which ignores the index; the wrapper is only made for a layer whose ``layer_idx``
   attributes all equal its position.
-* the compiled function: each decode step gets its own copy of the region's code (``region_function``), so steps of
-  several batch buckets do not share, and exhaust, one code object's recompile limit.
+* the sizes: rows, prefix length and suffix capacity are marked dynamic, so one graph serves every batch bucket and
+  prompt length (a one-row bucket still specialises: dynamo treats a size of 1 apart).
+
+One region is compiled per model and compile settings (``RelayState.region``) and shared by all its decode steps; it
+compiles its own copy of the region's code (``region_function``), so two models never share one code object's graphs
+and recompile limit. A model whose layers still need a graph each (a per-layer constant the layer reads) can reach
+dynamo's recompile limit; the step then falls back to the eager step (``decode.DecodeStep``), after putting back the
+cache positions the layers before the failure wrote.
 """
 
 from __future__ import annotations
@@ -27,23 +33,36 @@ import torch
 
 
 def decoder_layers(model) -> tuple[tuple[str, ...], torch.nn.ModuleList] | None:
-    """``(path, layers)``: the model's decoder-layer list (the ``ModuleList`` of modules whose class the model names
-    in ``_no_split_modules``, the longest such list) and its attribute path from ``model``; ``None`` when there is
-    none, or when a layer's ``layer_idx`` attributes differ from its position (the view could not stand for the
-    cache)."""
+    """``(path, layers)``: the model's decoder-layer list and its attribute path from ``model``: the one
+    ``ModuleList`` of the text config's ``num_hidden_layers`` modules of one class the model names in
+    ``_no_split_modules``, whose layers name their cache entry (``layer_idx``, equal to their position: the view
+    stands for the cache only then). ``None`` when there is no such list, or more than one, or when a module on its
+    path has its own ``forward`` set on the instance (accelerate's hooks: the shallow copy would call the original
+    module, so the layers would run uncompiled)."""
     names = set(getattr(model, "_no_split_modules", None) or ())
-    best = None
+    count = getattr(model.config.get_text_config(decoder=True), "num_hidden_layers", None)
+    found = []
     for path, module in model.named_modules():
-        if (isinstance(module, torch.nn.ModuleList) and len(module) > 0
-                and all(type(m).__name__ in names for m in module)
-                and len({type(m) for m in module}) == 1 and (best is None or len(module) > len(best[1]))):
-            best = (tuple(path.split(".")) if path else (), module)
-    if best is None or not best[0]:
+        if (path and isinstance(module, torch.nn.ModuleList) and len(module) == count
+                and all(type(m).__name__ in names for m in module) and len({type(m) for m in module}) == 1
+                and _indexed(module)):
+            found.append((tuple(path.split(".")), module))
+    if len(found) != 1:  # none, or a vision tower as deep as the decoder: which is which is not known
         return None
-    for position, layer in enumerate(best[1]):
-        if any(getattr(m, "layer_idx", position) != position for m in layer.modules()):
-            return None
-    return best
+    path = found[0][0]
+    on_path = [model] + [model.get_submodule(".".join(path[:i])) for i in range(1, len(path) + 1)]
+    if any("forward" in vars(m) for m in on_path):
+        return None
+    return found[0]
+
+
+def _indexed(layers: torch.nn.ModuleList) -> bool:
+    """Every layer names its own position as ``layer_idx`` (at least one module of each; none names another)."""
+    for position, layer in enumerate(layers):
+        indices = {m.__dict__["layer_idx"] for m in layer.modules() if "layer_idx" in m.__dict__}
+        if indices != {position}:
+            return False
+    return True
 
 
 class LayerCacheView:
@@ -108,7 +127,8 @@ def _run_layer(layer, args, kwargs):
 
 
 def region_function():
-    """A fresh copy of the function the region compiles (its own code object, so its own dynamo cache)."""
+    """A fresh copy of the function the region compiles (its own code object, so its own dynamo cache: one per
+    model and compile settings)."""
     return types.FunctionType(_run_layer.__code__.replace(), _run_layer.__globals__, "relay_decoder_layer")
 
 

@@ -73,3 +73,19 @@ def test_what_one_process_compiles_another_loads(tmp_path):
 
     assert run() == ["compiled", "True"]
     assert run() == ["loaded", "True"]
+
+
+def test_a_config_that_does_not_serialise_keeps_nothing_and_fails_nothing():
+    model = tiny_model("llama")
+    model.config.tags_as_a_set = {"a", "b"}  # json cannot write a set
+    assert artifacts.artifact_path(model, "regional") is None
+
+
+def test_without_a_home_directory_the_cache_is_under_the_temp_directory(monkeypatch):
+    import tempfile
+
+    monkeypatch.delenv("RELAY_HF_CACHE_DIR", raising=False)
+    monkeypatch.delenv("XDG_CACHE_HOME", raising=False)
+    monkeypatch.delenv("HOME", raising=False)
+    monkeypatch.setattr("os.path.expanduser", lambda path: path)  # what it returns with no home to expand to
+    assert artifacts.cache_dir().is_relative_to(tempfile.gettempdir())

@@ -58,7 +58,7 @@ def test_kernel_cpu_smoke_run_appends_exact_relay_rows(tmp_path, one_thread):
 def test_generate_cpu_smoke_run_measures_every_column(tmp_path, one_thread):
     """The generate benchmark's CPU path on a tiny random model: for every mode the cold first call, first token,
     greedy and sampling steps, the new-batch and longer-prompt first calls, and relay used exactly by the relay modes
-    (off CUDA the static one on relay_hf's loop, greedy and sampling; the others on transformers' loop)."""
+    (off CUDA the static and graph ones on relay_hf's loop, greedy and sampling; the others on transformers' loop)."""
     path = tmp_path / "generate.csv"
     generate.main(["--model-shape", "tiny", "--device", "cpu", "--dtype", "float32", "--prefix-len", "32", "--batch",
                    "2", "--new-tokens", "3", "--reps", "1", "--modes", *generate.MODES, "--csv", str(path)])
@@ -77,7 +77,8 @@ def test_generate_cpu_smoke_run_measures_every_column(tmp_path, one_thread):
         if step > 0:
             assert float(got["tok_per_s"]["median"]) == pytest.approx(2 / step * 1e3, rel=1e-4)
         assert got["step"]["relay_used"] == str(relay) and got["sample_step"]["relay_used"] == str(relay)
-        assert got["step"]["relay_loop"] == got["sample_step"]["relay_loop"] == str(mode == "relay_compiled")
+        on_loop = mode in ("relay_compiled", "relay_graph")
+        assert got["step"]["relay_loop"] == got["sample_step"]["relay_loop"] == str(on_loop)
         assert got["new_batch_first_call"]["note"] == "B=3" and got["longer_prompt_call"]["note"] == "U=128"
     assert {r["new_tokens"] for r in rows} == {"3"}
 

@@ -95,8 +95,8 @@ def test_layer_cache_view_writes_its_own_entry_whatever_index_it_is_given():
 
 
 def test_region_functions_are_distinct_code_objects():
-    """Each decode step compiles its own copy, so steps of several buckets never share one code object's
-    recompile limit."""
+    """Each model (and compile settings) compiles its own copy, so two models never share one code object's graphs
+    and recompile limit."""
     a, b = region_function(), region_function()
     assert a.__code__ is not b.__code__ and a(lambda *x, **k: (x, k), (1,), {"z": 2}) == ((1,), {"z": 2})
 
@@ -150,3 +150,54 @@ def test_on_cuda_the_default_16bit_step_is_one_compiled_region_captured_for_ever
         assert type(step.state).__name__ == "Captured"
     regions = relay_state(model)._regions
     assert len(regions) == 1
+
+
+def test_a_region_that_fails_after_some_layers_ran_puts_their_positions_back():
+    """Gemma 2 alternates sliding and full layers: two graphs. A backend that compiles the first and fails on the
+    second fails the step after layer 0 wrote its keys; the eager rerun must not write them twice."""
+    from tests.helpers import TYPE_PREFIX, tiny_model_of_type, type_batch
+
+    model = tiny_model_of_type("gemma2")
+    ids, mask, pad = type_batch(model)
+    gen = dict(attention_mask=mask, max_new_tokens=6, do_sample=False, pad_token_id=pad)
+    stock = model.generate(ids, **gen)
+    seen = []
+
+    def second_fails(gm, example_inputs):
+        seen.append(gm)
+        if len(seen) >= 2:
+            raise RuntimeError("this layer variant does not compile")
+        return gm.forward
+
+    config = CompileConfig(backend=second_fails, mode=None)
+    config._compile_all_devices = True
+    relay_hf.patch(model, min_prefix_length=TYPE_PREFIX)
+    torch._dynamo.reset()
+    with pytest.warns(RuntimeWarning, match="compiling the decode step failed"):
+        out = model.generate(ids, compile_config=config, **gen)
+    assert len(seen) == 2 and torch.equal(out, stock)
+    ends = {int(layer.end) for layer in relay_state(model).idle_static().cache.layers}
+    assert len(ends) == 1  # every layer holds the same number of positions
+
+
+def test_decoder_layers_takes_the_text_decoder_not_a_vision_tower():
+    """Gemma 3's vision encoder layers are also named in ``_no_split_modules``; a tower deeper than the decoder must
+    not be taken for it (its layers name no cache entry)."""
+    import transformers
+
+    from tests.helpers import tiny_config
+
+    config = tiny_config("gemma3")
+    config.vision_config.num_hidden_layers = config.text_config.num_hidden_layers + 1
+    model = transformers.AutoModelForCausalLM.from_config(config).eval()
+    path, layers = decoder_layers(model)
+    assert len(layers) == config.text_config.num_hidden_layers and "vision" not in ".".join(path)
+
+
+def test_decoder_layers_declines_a_model_whose_forward_is_replaced_on_the_instance():
+    """accelerate's hooks set ``forward`` on the instance, bound to the module itself: a shallow copy would call the
+    original layers, uncompiled."""
+    model = tiny_model("llama")
+    original = model.model.forward
+    model.model.forward = lambda *args, **kwargs: original(*args, **kwargs)
+    assert decoder_layers(model) is None

@@ -22,8 +22,9 @@ from pathlib import Path
 from .common import DATA, REPO, read_rows
 
 KERNEL_SHAPE = dict(dtype="bfloat16", H_q="32", H_kv="8", D="128", L_s="256")
+# (line style, colour): in every panel
 MODE_STYLE = {"stock": (":", "C0"), "prefix_reuse": ("--", "C1"), "static": ("--", "C2"), "relay": ("-.", "C3"),
-              "relay_compiled": ("-", "C4"), "relay_eager": (":", "C5")}  # (line style, colour): in every panel
+              "relay_compiled": ("-", "C4"), "relay_eager": (":", "C5"), "relay_graph": ("--", "C6")}
 
 
 def _device(rows: list[dict], device: str | None) -> str:

@@ -259,7 +259,8 @@ def _forward(model, name: str, cache, tok: torch.Tensor, pos: torch.Tensor) -> t
 
 
 def _regional_forward(model, name: str, cache, tok: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
-    """``_forward`` on ``regional.decode_view``'s copy of the model (its decoder layers compiled)."""
+    """``_forward`` on ``regional.decode_view``'s copy of the model (its decoder layers compiled). A function of its
+    own so that ``DecodeStep.compiled`` (``fn is not _forward``) holds for a regional step too."""
     return _forward(model, name, cache, tok, pos)
 
 
@@ -296,10 +297,11 @@ class DecodeStep:
     choice follows its forward (``_Choice``). Apart from that, a compiled forward (``compile_config``) that fails to
     compile runs uncompiled from then on, after a warning (``compiled`` turns false); the failed step does not count
     as a warm-up step. The compiled forward is the model's forward over ``regional.decode_view`` (its decoder layers
-    through the model's one compiled region) where ``regional.decoder_layers`` finds the layers, else the whole
-    forward compiled."""
+    through the model's one compiled region) where ``layers`` (``regional.decoder_layers``'s answer for the model)
+    names them, else the whole forward compiled."""
 
-    def __init__(self, model, cache, rows: int, compile_config, key: tuple, decode: DecodeConfig):
+    def __init__(self, model, cache, rows: int, compile_config, key: tuple, decode: DecodeConfig,
+                 layers: tuple[tuple[str, ...], torch.nn.ModuleList] | None = None):
         device = model.device
         self.key, self.decode = key, decode
         self.model, self.cache, self.name = model, cache, cache_kwarg_name(model)
@@ -309,7 +311,6 @@ class DecodeStep:
         self.fn, self.runner, self.artifacts = _forward, model, None
         if compile_config is not None:
             kwargs = step_compile_kwargs(compile_config, device.type, decode.step_inductor_options)
-            layers = decoder_layers(model)
             if layers is not None:  # one graph for every decoder layer, bucket and prompt length (regional.py)
                 region = model._relay_state.region(
                     repr(kwargs), lambda: torch.compile(region_function(), dynamic=None, **kwargs))
@@ -472,14 +473,15 @@ def _step_for(model, slot, rows: int, compile_config, decode: DecodeConfig) -> D
     if slot.stepper is not None and slot.stepper.key == key:
         return slot.stepper
     slot.stepper = None  # free the old graphs' pool first
+    layers = None if compile_config is None else decoder_layers(model)
     if model.device.type == "cuda":
         how = "capturing"
         if compile_config is not None:
             how = ("compiling one decoder layer for all (kept in relay_hf.artifacts.cache_dir()) and capturing"
-                   if decoder_layers(model) is not None else "compiling it with inductor and capturing")
+                   if layers is not None else "compiling it with inductor and capturing")
         logger.warning("relay_hf: one-time setup for %d rows x %d suffix positions: %s the decode step as CUDA graphs",
                        rows, slot.cache.layers[0].max_suffix_length, how)
-    slot.stepper = DecodeStep(model, slot.cache, rows, compile_config, key, decode)
+    slot.stepper = DecodeStep(model, slot.cache, rows, compile_config, key, decode, layers)
     return slot.stepper
 
 

@@ -72,6 +72,7 @@ class LayerCacheView:
 
     def __init__(self, cache, index: int):
         self.cache, self.entry = cache, cache.layers[index]
+
         def part(name):  # a static layer's buffers (a dynamic layer has no row_lengths)
             return getattr(self.entry, name, None)
 

@@ -469,7 +469,7 @@ def test_a_forward_that_fails_to_compile_decodes_eagerly_with_a_warning():
         out = model.generate(ids, attention_mask=mask, max_new_tokens=6, do_sample=False, compile_config=config)
     assert model.relay_last_decision.fast_decode and torch.equal(eager, out)
     step = relay_state(model).idle_static().stepper
-    assert not step.compiled
+    assert not step.compiled and step.runner is model  # the regional view is dropped with the compiled region
     with _relay_warnings() as found:  # the same settings replay the kept step: uncompiled, not compiled again
         out = model.generate(ids, attention_mask=mask, max_new_tokens=6, do_sample=False, compile_config=config)
     assert relay_state(model).idle_static().stepper is step and torch.equal(eager, out) and not found

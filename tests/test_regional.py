@@ -111,23 +111,6 @@ def test_decode_view_of_a_path_replaces_only_that_list():
     assert model.model.layers is layers
 
 
-def test_a_region_that_fails_to_compile_decodes_eagerly_and_the_model_stays_usable():
-    def broken(gm, example_inputs):
-        raise RuntimeError("no compiler here")
-
-    model = tiny_model("llama", num_hidden_layers=3)
-    ids, mask = _batch(40, (3, 9, 1, 6), seed=6)
-    stock = run_stock(model, ids, mask, max_new_tokens=6, do_sample=False)
-    relay_hf.patch(model, min_prefix_length=8)
-    config = CompileConfig(fullgraph=True, backend=broken, mode=None)
-    config._compile_all_devices = True
-    torch._dynamo.reset()
-    with pytest.warns(RuntimeWarning, match="compiling the decode step failed"):
-        out = model.generate(ids, attention_mask=mask, max_new_tokens=6, do_sample=False, compile_config=config)
-    step = relay_state(model).idle_static().stepper
-    assert torch.equal(out, stock) and not step.compiled and step.runner is model
-
-
 def test_cpu_auto_decode_compiles_nothing():
     """``compiled_by_default`` holds on CUDA for 16-bit models only: on CPU the default loop stays uncompiled."""
     from relay_hf.policy import compiled_by_default

@@ -97,17 +97,37 @@ def held_bytes(cache) -> int:
     return sum(storages.values())
 
 
-def timed_generate(model, batch, progress: str | None, **gen):
-    """``generate``'s output, its wall time and this process's CPU time over the call (s; every thread's user and
-    system time: work done, which other processes on the machine lengthen far less than the wall time)."""
-    streamer = StepBar(progress, gen["max_new_tokens"]) if progress else None
-    if batch["input_ids"].is_cuda:
+def timed(call, device) -> tuple[object, float, float]:
+    """``call()``'s result, its wall time and this process's CPU time over it (s; every thread's user and system
+    time: work done, which other processes on the machine lengthen far less than the wall time). On CUDA the device
+    is synchronised on both sides, so queued kernels count to the call that launched them."""
+    cuda = torch.device(device).type == "cuda"
+    if cuda:
         torch.cuda.synchronize()
     start, cpu_start = time.perf_counter(), time.process_time()
-    out = model.generate(**batch, streamer=streamer, **gen)
-    if batch["input_ids"].is_cuda:
+    result = call()
+    if cuda:
         torch.cuda.synchronize()
-    return out, time.perf_counter() - start, time.process_time() - cpu_start
+    return result, time.perf_counter() - start, time.process_time() - cpu_start
+
+
+def timed_generate(model, batch, progress: str | None, **gen):
+    """``generate``'s output, its wall time and CPU time (``timed``), with a bar of decode steps if ``progress``."""
+    streamer = StepBar(progress, gen["max_new_tokens"]) if progress else None
+    return timed(lambda: model.generate(**batch, streamer=streamer, **gen), batch["input_ids"].device)
+
+
+def savings(kv: tuple[int, int], wall: tuple[float, float], cpu: tuple[float, float], *, kv_what: str,
+            wall_what: str) -> list[str]:
+    """The lines that say what relay saved against stock transformers, each as ``(stock, relay)``: KV memory (bytes;
+    ``kv_what`` says which), wall time (s; ``wall_what`` says of what) and CPU time (s). examples/dataset_job.py
+    reports with them too, so both jobs read the same way."""
+    (stock_kv, relay_kv), (stock_s, relay_s), (stock_cpu, relay_cpu) = kv, wall, cpu
+    return [f"KV memory   stock {stock_kv / 2**20:7.1f} MiB   relay {relay_kv / 2**20:7.1f} MiB "
+            f"({stock_kv / relay_kv:.1f}x less; {kv_what})",
+            f"wall time   stock {stock_s:7.2f} s     relay {relay_s:7.2f} s     ({stock_s / relay_s:.2f}x) {wall_what}",
+            f"CPU time    stock {stock_cpu:7.2f} s     relay {relay_cpu:7.2f} s     ({stock_cpu / relay_cpu:.2f}x) "
+            f"this process's, all threads: other work on the machine stretches it far less than wall time"]
 
 
 def main() -> None:
@@ -144,13 +164,10 @@ def main() -> None:
     stock_kv, relay_kv = held_bytes(returned_cache(stock)), held_bytes(returned_cache(relay))
     print(f"relay used: {decision.used} ({decision.reason}); shared prefix: {decision.prefix_length} of {T} prompt "
           f"tokens; rows: {B}")
-    print(f"KV memory   stock {stock_kv / 2**20:7.1f} MiB   relay {relay_kv / 2**20:7.1f} MiB "
-          f"({stock_kv / relay_kv:.1f}x less; storage held by the returned caches)")
     steps = relay.sequences.shape[1] - T
-    print(f"wall time   stock {stock_s:7.2f} s     relay {relay_s:7.2f} s     ({stock_s / relay_s:.2f}x) "
-          f"on {args.device}, {args.dtype}, {steps} decode steps")
-    print(f"CPU time    stock {stock_cpu:7.2f} s     relay {relay_cpu:7.2f} s     ({stock_cpu / relay_cpu:.2f}x) "
-          f"this process's, all threads: other work on the machine stretches it far less than wall time")
+    print("\n".join(savings((stock_kv, relay_kv), (stock_s, relay_s), (stock_cpu, relay_cpu),
+                             kv_what="storage held by the returned caches",
+                             wall_what=f"on {args.device}, {args.dtype}, {steps} decode steps")))
     same = torch.equal(stock.sequences, relay.sequences)
     print(f"answers token-identical to stock: {same}")
     if args.csv:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import inspect
 from functools import cache
 
@@ -92,9 +93,40 @@ def logits_processors(model, generation_config, input_ids, attention_mask):
                                        model_kwargs={"attention_mask": attention_mask})
 
 
+def optimized_for_decode(model):
+    """The context stock ``generate`` runs its decode steps in (a private method of ``GenerationMixin``: off the
+    CPU it switches an MoE's experts from ``grouped_mm``, which reads expert offsets on the host, to ``batched_mm``);
+    relay_hf's loop decodes in it too, so its steps compute what stock's do and can be captured. A no-op where the
+    installed transformers has none."""
+    import contextlib
+
+    optimize = getattr(model, "_optimize_model_for_decode", None)
+    return contextlib.nullcontext() if optimize is None else optimize()
+
+
 def compile_all_devices(compile_config) -> bool:
     """Whether a ``CompileConfig`` asks transformers to compile on every device, not only CUDA."""
     return bool(getattr(compile_config, "_compile_all_devices", False))
+
+
+@cache
+def _reads_original_max_positions(method) -> bool:
+    try:
+        return "original_max_position_embeddings" in inspect.getsource(method)
+    except (OSError, TypeError):
+        return False
+
+
+def cache_recomputed_past(model) -> int | None:
+    """The config's ``original_max_position_embeddings`` where ``model``'s own ``prepare_inputs_for_generation`` drops
+    the cache once the ids pass it and recomputes the whole sequence in one forward (Phi-3, PhiMoE,
+    Phi-4-multimodal: their longrope switches to its long factors there), else ``None``. Read from the method's
+    source: nothing else says so."""
+    limit = getattr(model.config, "original_max_position_embeddings", None)
+    method = getattr(type(model), "prepare_inputs_for_generation", None)
+    if not isinstance(limit, int) or isinstance(limit, bool) or method is None:
+        return None
+    return limit if _reads_original_max_positions(method) else None
 
 
 # -- pipelines -------------------------------------------------------------------------------------------------------
@@ -165,7 +197,7 @@ def is_paged_cache(obj) -> bool:
     return isinstance(obj, PagedAttentionCache)
 
 
-# -- serving ---------------------------------------------------------------------------------------------------------
+# -- serving -----------------------------------------------------------------------------------------------------
 def serve_command():
     """transformers' ``transformers serve`` command class (its options are its constructor's parameters)."""
     from transformers.cli.serve import Serve
@@ -174,5 +206,83 @@ def serve_command():
 
 
 def serve_model_manager(serve):
-    """The model manager a ``transformers serve`` command instance loads its models through."""
+    """The model manager a 5.17-style ``transformers serve`` instance loads its models through, in its own process."""
     return serve._model_manager
+
+
+def serve_runs_engines() -> bool:
+    """Whether ``transformers serve`` runs each model in an engine process of its own, loaded there through a pickled
+    copy of the command's ``loader`` (newer versions), rather than in the server's process (5.17)."""
+    try:
+        from transformers.cli.serving.model_manager import EngineClient, ModelLoader  # noqa: F401
+    except ImportError:
+        return False
+    return "self.loader" in inspect.getsource(serve_command().__init__)
+
+
+# what transformers' ``Serve.run`` hands ``build_server``: a version whose server takes other parts is not one that
+# ``run_engine_server`` can rebuild, and relay-hf serve refuses to start on it
+_ENGINE_SERVER_PARTS = {"model_manager", "chat_handler", "completion_handler", "response_handler",
+                        "transcription_handler", "systemone_handler", "enable_cors"}
+
+
+def run_engine_server(serve, socket, engine_connection, add_routes) -> None:
+    """Serve as transformers' ``Serve.run`` does where models run in engine processes, with ``add_routes(app,
+    model_manager)`` called on the app before it serves (``Serve.run`` keeps its app in a local variable: there is no
+    other way to add a route). ``RuntimeError`` at once where this transformers' server is built otherwise."""
+    import uvicorn
+    from transformers.cli.serving.chat_completion import ChatCompletionHandler
+    from transformers.cli.serving.completion import CompletionHandler
+    from transformers.cli.serving.model_manager import ModelManager
+    from transformers.cli.serving.response import ResponseHandler
+    from transformers.cli.serving.server import build_server
+    from transformers.cli.serving.systemone import SystemOneHandler
+    from transformers.cli.serving.transcription import TranscriptionHandler
+    from transformers.cli.serving.utils import freeze_garbage_collector, set_serve_log_level
+
+    parts = set(inspect.signature(build_server).parameters)
+    if parts != _ENGINE_SERVER_PARTS:
+        raise RuntimeError(f"relay-hf serve does not know this transformers' server (build_server takes "
+                           f"{sorted(parts)}); serve with `transformers serve` instead")
+    set_serve_log_level(serve.log_level, serve.enable_log_requests)
+    model_manager = ModelManager(serve.loader, serve.generation_state, model_timeout=serve.model_timeout,
+                                 force_model=serve.force_model, engine_connection=engine_connection)
+    templated = dict(model_manager=model_manager, generation_state=serve.generation_state,
+                     chat_template_kwargs=serve.chat_template_kwargs)
+    app = build_server(
+        model_manager, ChatCompletionHandler(**templated),
+        completion_handler=CompletionHandler(model_manager=model_manager, generation_state=serve.generation_state),
+        response_handler=ResponseHandler(**templated), transcription_handler=TranscriptionHandler(model_manager),
+        systemone_handler=SystemOneHandler(**templated, decision_config=serve.decision_config),
+        enable_cors=serve.enable_cors)
+    add_routes(app, model_manager)
+
+    async def stop_if_an_engine_died() -> None:
+        if model_manager.is_dead:
+            server.should_exit = True
+
+    config = uvicorn.Config(app, host=serve.host, port=serve.port, log_level="info",
+                            callback_notify=stop_if_an_engine_died, timeout_notify=5)
+    server = uvicorn.Server(config)
+    freeze_garbage_collector()
+    server.run(sockets=None if socket is None else [socket])
+    gc.unfreeze()
+    if model_manager.is_dead:
+        raise RuntimeError("An engine died (see the error above): stopping the server")
+
+
+def running_engines(model_manager) -> dict:
+    """``{model id: engine}`` of the models whose engine process runs now (newer ``transformers serve``)."""
+    return {name: engine for name, engine in list(model_manager.engines.items()) if engine.process_running}
+
+
+def call_in_engine(engine, function):
+    """``function(model, processor)`` run in ``engine``'s process and its result, from outside any event loop (before
+    the server serves); the engine delivers later results to the loop of its next request, as before."""
+    import asyncio
+
+    previous = engine._loop
+    try:
+        return asyncio.run(engine.submit(function))
+    finally:
+        engine._loop = previous

@@ -3,8 +3,8 @@
 ``patch`` shadows the instance's ``init_continuous_batching`` (which ``generate_batch``, the context manager and
 ``transformers serve`` all call) with ``RelayContinuousBatching``: it asks ``policy.continuous_reason`` whether relay
 serves, and switches the model to the name continuous batching accepts for relay (``_compat.paged_attention_name``),
-or, where relay cannot serve, to the model's own implementation: stock continuous batching, unchanged. The manager
-switches the model back to relay when it stops.
+or, where relay cannot serve, to the model's own implementation: stock continuous batching, unchanged. The last of
+its managers to stop switches the model back to relay, unless ``unpatch`` let go of the model meanwhile.
 
 Per step, a forward pre-hook (``plan_step``) plans the step on the host from the cache's read index
 (``paged.plan_paged_step``: each shared run of blocks read once) and hands the plan to every layer as the keyword
@@ -32,15 +32,14 @@ from .attention import (
     model_configs,
     relay_attention_forward,
     relay_mask,
+    relay_name,
     set_stock_implementation,
     stock_implementation,
 )
 from .names import PAGED_NAMES, is_paged_name, is_relay_name
 from .paged import paged_relay_attention, plan_paged_step
 from .policy import continuous_reason
-from .stats import kv_bytes_per_token
-
-_SWITCH_LOCK = threading.Lock()
+from .stats import full_layer_kv_bytes
 
 
 def relay_paged_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
@@ -85,7 +84,7 @@ def plan_step(model, args, kwargs):
     cu_k = (next(iter(cu_k.values())) if isinstance(cu_k, dict) else cu_k).tolist()
     state = model._relay_state
     plan = plan_paged_step(read[0], cu_q[:len(cu_k)], cu_k, max(1, state.min_prefix_length), read[0].device)
-    if plan.shared_tokens:  # bytes per token taken when the manager started (a walk over the modules: not per step)
+    if plan.shared_tokens:  # full-attention layers' bytes per token, taken when the manager started
         token_bytes = model.__dict__["init_continuous_batching"].kv_token_bytes
         state.counters.add(relay_steps=1, relay_rows=plan.decode.rows,
                            kv_bytes_not_reread=plan.shared_tokens * token_bytes)
@@ -121,9 +120,10 @@ class RelayContinuousBatching:
     """The ``init_continuous_batching`` of one patched model instance (a callable object, as ``RelayGenerate``).
 
     Relay serves (``policy.continuous_reason``): the model runs the continuous-batching relay name while relay's
-    managers live (``live`` counts them; the last one to stop switches the model back to relay), CUDA graphs off in a
-    copy of the caller's config (relay plans every step on the host). Otherwise the model runs its own implementation
-    while the manager lives: stock continuous batching, unchanged, switched back to relay when it stops.
+    managers live (``live`` counts them), CUDA graphs off in a copy of the caller's config (relay plans every step on
+    the host). Otherwise the model runs its own implementation while the manager lives (``stock_live`` counts those):
+    stock continuous batching, unchanged. The last of them to stop switches the model back to relay, unless
+    ``unpatch`` has let go of the model meanwhile (``release``): then the model stays as ``unpatch`` left it, stock.
     ``model.relay_last_decision`` is not touched (a manager serves many calls); ``relay_hf.stats`` counts its steps.
     """
 
@@ -131,30 +131,53 @@ class RelayContinuousBatching:
         self.__self__ = model
         self._hook = None  # registered by the first manager relay serves (an unpickled model has no hooks yet)
         self.live = 0  # managers running under the relay name now
-        self.kv_token_bytes = 0  # one token's KV bytes (stats.kv_bytes_per_token), taken as a relay manager starts
+        self.stock_live = 0  # managers running stock continuous batching, the model switched to its own attention
+        # one token's KV bytes over the full-attention layers (stats.full_layer_kv_bytes), taken as a relay manager
+        # starts (a walk over the modules: not per step)
+        self.kv_token_bytes = 0
         self._relay = None  # the relay name the model goes back to
+        self._released = False  # unpatch let go of the model: nothing here switches it again
+        self._lock = threading.Lock()  # the counts, the switches and the release, one at a time
 
     def remove_hook(self) -> None:
         if self._hook is not None:
             self._hook.remove()
             self._hook = None
 
+    def release(self) -> None:
+        """``unpatch``'s side: ``ValueError`` while a manager runs under relay's name (its cache and steps need relay
+        attention); else the hook goes and from now on nothing here switches the model (a stock manager that stops
+        later leaves it as ``unpatch`` left it; a new call is stock's own ``init_continuous_batching``)."""
+        with self._lock:
+            if self.live:
+                raise ValueError("a continuous batching manager of this model runs relay attention: stop it before "
+                                 "relay_hf.unpatch")
+            self._released = True
+            self.remove_hook()
+
     def __call__(self, generation_config=None, continuous_batching_config=None, *args, **kwargs):
         model = self.__self__
         init = type(model).init_continuous_batching
         cb_config = _config_of(model, generation_config, continuous_batching_config)
-        with _SWITCH_LOCK:
+        with self._lock:
             current = attn_implementation(model.config)
-            if not (is_relay_name(current) or is_paged_name(current)):  # declined, or switched away by the user
+            relay_or_paged = is_relay_name(current) or is_paged_name(current)
+            # released, or switched away by the user (not by a stock manager of ours that still runs)
+            if self._released or not (relay_or_paged or self.stock_live):
                 return init(model, generation_config, continuous_batching_config, *args, **kwargs)
             if is_relay_name(current):
                 self._relay = current
-            why = None if is_paged_name(current) else continuous_reason(model, cb_config)
+            if is_paged_name(current):
+                why = None
+            elif not relay_or_paged:  # a stock manager of ours runs: the model is on its own attention already
+                why = model.relay_continuous_reason
+            else:
+                why = continuous_reason(model, cb_config)
             model.relay_continuous_reason = why
             if why is None:
                 if self._hook is None:
                     self._hook = model.register_forward_pre_hook(plan_step, with_kwargs=True)
-                self.kv_token_bytes = kv_bytes_per_token(model)
+                self.kv_token_bytes = full_layer_kv_bytes(model)
                 continuous_batching_config = _without_graphs(cb_config)
                 if not self.live:
                     for config in model_configs(model):
@@ -163,7 +186,9 @@ class RelayContinuousBatching:
                         set_stock_implementation(config, stock)  # what a forward outside the manager runs
                 self.live += 1
             else:
-                model.set_attn_implementation(stock_implementation(model.config))
+                if relay_or_paged:
+                    model.set_attn_implementation(stock_implementation(model.config))
+                self.stock_live += 1
                 model._relay_state.counters.add(stock_calls=1)
         try:
             manager = init(model, generation_config, continuous_batching_config, *args, **kwargs)
@@ -175,12 +200,17 @@ class RelayContinuousBatching:
         return manager
 
     def _stopped(self, relay: bool) -> None:
-        """A manager stopped (or failed to start): the model goes back to relay once no relay manager runs."""
-        with _SWITCH_LOCK:
+        """A manager stopped (or failed to start): the model goes back to relay once none of ours runs, unless
+        ``unpatch`` let go of it."""
+        with self._lock:
             if relay:
                 self.live -= 1
-            if not self.live:
-                self.__self__.set_attn_implementation(self._relay)
+            else:
+                self.stock_live -= 1
+            if self._released or self.live or self.stock_live:
+                return
+            model = self.__self__
+            model.set_attn_implementation(self._relay or relay_name(model._relay_state.original_attn))
 
     def __reduce__(self):  # the hook travels with the model's own state: a copy gets a new one
         return RelayContinuousBatching, (self.__self__,)

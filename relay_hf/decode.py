@@ -38,7 +38,7 @@ import torch
 from transformers import GenerationConfig
 
 from . import artifacts
-from ._compat import cache_kwarg_name, logits_processors
+from ._compat import cache_kwarg_name, logits_processors, optimized_for_decode
 from .regional import decode_view, decoder_layers, region_function
 
 logger = logging.getLogger("relay_hf")
@@ -341,6 +341,13 @@ class DecodeStep:
         return self.fn is not _forward
 
     @property
+    def kind(self) -> str:
+        """How the step runs now, in ``policy.DECODE_STEPS``' words: ``"compiled"``, ``"cuda graph"`` (the eager
+        forward captured, or warming up to be) or ``"eager ops"`` (off CUDA, or its capture failed). A compile or
+        capture that fails moves it down this list for good (each warns)."""
+        return "compiled" if self.compiled else "cuda graph" if self.captures else "eager ops"
+
+    @property
     def graph(self) -> torch.cuda.CUDAGraph | None:
         """The forward's CUDA graph once captured, else ``None`` (for inspection; ``state`` says why)."""
         return self.state.graph if self.state.__class__ is Captured else None
@@ -578,33 +585,34 @@ def fast_generate(model, ids: torch.Tensor, mask: torch.Tensor, stock_ids: torch
     cache = slot.cache
     Rb = cache.layers[0].suffix_padding.shape[0]
     logits, last, pos = _prefill(model, cache, ids, mask, Rb)
-    step = _step_for(model, slot, Rb, compile_config, decode)
-    choice = step.choice_for(R, cache.layers[0].max_suffix_length, logits.shape[-1], sampler)
-    choice.start(sampler, rows_per_input)
-    step.tok.copy_(last)
-    step.pos.copy_(pos)
-    rng = _Generator(ids.device, sampler.sample)
-    rng.mark()
-    _choose(logits[:R], choice, step.tok)
-    made, sent = 1, 0
-    chunk = decode.chunk if step.captures else 1
-    finish = _Finish(stock_ids.repeat_interleave(rows_per_input, 0).cpu(), sampler, stop)
-    while True:
-        by_stop = finish.add(choice.tokens[:, finish.tokens.shape[1]:made].cpu())  # the host's one look
-        if bool(by_stop.any()):
-            choice.unfinished.masked_fill_(by_stop.to(ids.device), False)
-        keep = finish.length()
-        done = made >= n_new or keep < made or bool((finish.at >= 0).all())
-        if streamer is not None:
-            for j in range(sent, keep):
-                streamer.put(finish.tokens[:, j].clone())
-            sent = keep
-        if done:
-            break
-        for _ in range(min(chunk, n_new - made)):
-            rng.mark()
-            step()
-            made += 1
+    with optimized_for_decode(model):  # as stock's decode steps run (an MoE's experts: batched, capturable)
+        step = _step_for(model, slot, Rb, compile_config, decode)
+        choice = step.choice_for(R, cache.layers[0].max_suffix_length, logits.shape[-1], sampler)
+        choice.start(sampler, rows_per_input)
+        step.tok.copy_(last)
+        step.pos.copy_(pos)
+        rng = _Generator(ids.device, sampler.sample)
+        rng.mark()
+        _choose(logits[:R], choice, step.tok)
+        made, sent = 1, 0
+        chunk = decode.chunk if step.captures else 1
+        finish = _Finish(stock_ids.repeat_interleave(rows_per_input, 0).cpu(), sampler, stop)
+        while True:
+            by_stop = finish.add(choice.tokens[:, finish.tokens.shape[1]:made].cpu())  # the host's one look
+            if bool(by_stop.any()):
+                choice.unfinished.masked_fill_(by_stop.to(ids.device), False)
+            keep = finish.length()
+            done = made >= n_new or keep < made or bool((finish.at >= 0).all())
+            if streamer is not None:
+                for j in range(sent, keep):
+                    streamer.put(finish.tokens[:, j].clone())
+                sent = keep
+            if done:
+                break
+            for _ in range(min(chunk, n_new - made)):
+                rng.mark()
+                step()
+                made += 1
     rng.rewind(keep)
     if streamer is not None:
         streamer.end()

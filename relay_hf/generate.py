@@ -32,7 +32,7 @@ from .policy import CACHE_NAMES, NOT_PATCHED, Plan, RelayDecision, decide, prefi
 from .prefill import segment_key
 from .prefix import RowLayout, relay_layout
 from .state import StaticSlot
-from .stats import kv_bytes_per_token
+from .stats import attention_windows, decode_bytes_not_reread, layer_kv_bytes
 
 logger = logging.getLogger("relay_hf")
 
@@ -165,16 +165,24 @@ def _extend(rows_values, rows: int):
 def _run_relay(model, stock, call: dict, plan: Plan):
     grouping = plan.grouping
     layout = relay_layout(plan.ids, plan.mask, plan.n_pad, grouping.prefix_lengths())
-    base, kept = plan.user_cache, 0
-    if base is None:  # each shared segment prefilled once, at batch 1, or taken from the model's prefix store
-        store, depends = prefix_store(model)
+    if plan.user_cache is not None:
+        return _run_relay_on(model, stock, call, plan, layout, plan.user_cache, 0)
+    # each shared segment prefilled once, at batch 1, or taken from the model's prefix store; held while the call
+    # runs (no other call evicts them meanwhile), the store back within its budget when it ends
+    store, depends = prefix_store(model)
+    if store is None:
+        base = RelayCache.from_tree(model, grouping.tree)
+        return _run_relay_on(model, stock, call, plan, layout, base, 0)
+    with store.holding(segment_key(grouping.tree, j) for j in range(len(grouping.tree.ids))):
         base = RelayCache.from_tree(model, grouping.tree, store, depends)
-        kept = base.kept_tokens
-        if store is not None:
-            store.trim(keep=[segment_key(grouping.tree, j) for j in range(len(grouping.tree.ids))])
+        return _run_relay_on(model, stock, call, plan, layout, base, base.kept_tokens)
+
+
+def _run_relay_on(model, stock, call: dict, plan: Plan, layout, base: RelayCache, kept: int):
+    """The relay call on ``base``, the prefix cache (``kept``: its tokens taken from the store)."""
     per_input = plan.rows // plan.ids.shape[0]  # beams / return sequences
     pads = layout.suffix_padding.to(torch.int32).repeat_interleave(per_input)  # [R]
-    paths = [p for p in grouping.paths for _ in range(per_input)] if plan.grouped else None
+    paths = [p for p in plan.grouping.paths for _ in range(per_input)] if plan.grouped else None
     slot = _static_slot(model, base, plan, pads, paths) if plan.static else None
     if slot is None:
         cache = base.fork(suffix_padding=pads, paths=paths)
@@ -220,7 +228,8 @@ def relay_generate(model, *args, **kwargs):
     except ValueError as err:
         model.relay_last_decision = RelayDecision(False, f"invalid input: {err}")
         raise
-    model.relay_last_decision = plan.decision()
+    decision = plan.decision()  # this call's own (the model's attribute is the last call's, of any thread)
+    model.relay_last_decision = decision
     if not plan.relay:
         logger.debug("relay_hf: stock generate (%s)", plan.reason)
         if not plan.expected:
@@ -230,31 +239,41 @@ def relay_generate(model, *args, **kwargs):
             model._relay_state.counters.add(stock_calls=1)
         return stock(*args, **kwargs)
     logger.debug("relay_hf: relay generate, prefix %d tokens, %d rows, groups %s", plan.prefix_length, plan.rows,
-                 model.relay_last_decision.groups)
+                 decision.groups)
     try:
         out, kept = _run_relay(model, stock, call, plan)
     except BaseException as err:
         model.relay_last_decision = RelayDecision(False, f"relay run failed: {type(err).__name__}: {err}",
                                                   plan.prefix_length, plan.rows, plan.static,
-                                                  groups=model.relay_last_decision.groups)
+                                                  groups=decision.groups)
         raise
-    model.relay_last_decision = dataclasses.replace(model.relay_last_decision, prefix_kept=kept)
+    model.relay_last_decision = dataclasses.replace(decision, prefix_kept=kept)
     _count(model, plan, out, kept)
     return out
 
 
 def _count(model, plan: Plan, out, kept: int) -> None:
-    """``relay_hf.stats`` of a relay call: its decode steps (one per new token), the prefix KV bytes they did not
-    read again (each shared segment read once instead of once per row that reads it), and a store hit."""
+    """``relay_hf.stats`` of a relay call, from the call's own ``plan`` (never the model's ``relay_last_decision``,
+    which a concurrent call may have replaced): its decode steps (one per new token after the first), the prefix KV
+    bytes they did not read again (``stats.decode_bytes_not_reread``: per layer, what stock reads of each shared
+    segment per row, under the layer's window, less what relay reads once) and a store hit."""
     sequences = out if isinstance(out, torch.Tensor) else out.sequences
     steps = max(0, sequences.shape[1] - plan.ids.shape[1] - 1)  # the first token comes from the prefill
-    shared = sum((rows - 1) * tokens for _, rows, tokens in model.relay_last_decision.groups)
-    if not model.relay_last_decision.groups:
-        shared = (plan.rows - 1) * plan.prefix_length
-    if not shared:  # one row (a chat turn under a kept prompt): nothing read once for several rows
+    segments = []
+    if plan.grouping is not None:
+        tree, paths = plan.grouping.tree, plan.grouping.paths
+        per_input = plan.rows // len(paths)  # beams / return sequences: rows of one input read what it reads
+        firsts = (plan.ids.shape[1] - plan.n_pad.cpu()).tolist()  # each input's prompt length: its first query
+        starts = tree.starts()
+        for j, tokens in enumerate(tree.lengths):
+            readers = [first for first, path in zip(firsts, paths) if j in path for _ in range(per_input)]
+            segments.append((starts[j] + tokens, tokens, readers))
+    if not any(len(readers) > 1 for _, _, readers in segments):  # one reader each (a chat turn under a kept prompt)
         steps = 0
+    layers = list(zip(attention_windows(model), layer_kv_bytes(model)))
     model._relay_state.counters.add(
-        relay_steps=steps, relay_rows=steps * plan.rows, kv_bytes_not_reread=steps * shared * kv_bytes_per_token(model),
+        relay_steps=steps, relay_rows=steps * plan.rows,
+        kv_bytes_not_reread=decode_bytes_not_reread(segments, steps, layers) if steps else 0,
         prefix_hits=int(kept > 0), prefill_tokens_saved=kept)
 
 

@@ -96,10 +96,14 @@ def patch(model, *, min_prefix_length: int = DEFAULT_MIN_PREFIX_LENGTH, decode: 
             replayed as CUDA graphs; for fp16 / bf16 models the step's decoder layer is compiled by inductor first
             (one layer's graph serves every layer, batch bucket and prompt length; its artifacts are kept across
             processes, ``relay_hf.artifacts``), fp32 captures the eager step; transformers' loop elsewhere.
-            ``"graph"``: relay_hf's loop on any device, the eager step captured; ``"compile"``: relay_hf's loop with
-            the forward compiled, on any dtype; ``"eager"``: transformers' loop. A call that asks for a compiled
-            decode (``cache_implementation="static"``, ``compile_config``) gets the compiled loop whatever the mode;
-            ``disable_compile=True`` keeps the captured eager step.
+            ``"graph"``: relay_hf's loop on any device, the eager step captured as CUDA graphs on CUDA, eager ops
+            elsewhere; ``"compile"``: relay_hf's loop with the forward compiled by inductor, any dtype, where
+            transformers compiles a decode step: on CUDA, elsewhere only for a ``CompileConfig`` whose
+            ``_compile_all_devices`` is set (without one the loop runs eager ops there, and warns);
+            ``"eager"``: transformers' loop. A call that asks for a compiled decode (``cache_implementation="static"``,
+            ``compile_config``) gets relay_hf's loop, compiled by the same rule, whatever the mode;
+            ``disable_compile=True`` keeps the eager step. ``relay_last_decision.decode_step`` says which step ran
+            (``"compiled"``, ``"cuda graph"``, ``"eager ops"``).
         prefix_cache_bytes: bytes of prefilled prefixes kept between calls (a system prompt prefilled by one
             ``generate`` call serves the next ones; least recently used out; ``relay_hf.clear_prefixes`` empties
             it); ``None``: ``default_prefix_cache_bytes``; ``0``: nothing kept.
@@ -107,6 +111,11 @@ def patch(model, *, min_prefix_length: int = DEFAULT_MIN_PREFIX_LENGTH, decode: 
     A model relay cannot serve exactly (ALiBi, chunked or linear attention, an attention module
     that does more than hand its KV to the attention function...) keeps its attention; a ``RelayFallbackWarning``
     says why and ``generate`` stays stock.
+
+    Time: ``patch`` runs a probe forward through relay's kernels; on CUDA, the first model of a head size the
+    kernels have not met in this process compiles them (Triton): about 5 s on an H200, once per process and head size
+    (another model of that head size, or a second ``patch``, takes milliseconds; Triton's disk cache shortens it in
+    later processes). On a CPU the probe takes well under a second.
     """
     _check_model(model, "patch")
     if not isinstance(min_prefix_length, int) or isinstance(min_prefix_length, bool) or min_prefix_length < 0:
@@ -151,14 +160,18 @@ def patch(model, *, min_prefix_length: int = DEFAULT_MIN_PREFIX_LENGTH, decode: 
 
 
 def unpatch(model):
-    """Undo ``patch``: the instance's own attention implementation and the class's ``generate`` come back."""
+    """Undo ``patch``: the instance's own attention implementation and the class's ``generate`` come back.
+
+    ``ValueError`` (nothing undone) while a continuous-batching manager runs relay attention. A manager that runs
+    stock continuous batching may run on: the model runs its own implementation already (or transformers'
+    continuous-batching form of it, which the manager undoes as it stops), and stays on it when the manager stops
+    (``RelayContinuousBatching.release``)."""
     _check_model(model, "unpatch")
     if "_relay_state" not in model.__dict__:
         return model
     continuous = model.__dict__.get("init_continuous_batching")
-    if continuous is not None and continuous.live:
-        raise ValueError("a continuous batching manager of this model runs relay attention: stop it before "
-                         "relay_hf.unpatch")
+    if isinstance(continuous, RelayContinuousBatching):
+        continuous.release()  # raises while a relay manager runs; else no manager of ours switches the model again
     cached = cached_continuous_manager(model)
     if cached is not None and getattr(cached, "_relay_built", False):  # kept by a relay call: made for relay's name
         model.destroy_cached_continuous_batching_manager()
@@ -166,9 +179,7 @@ def unpatch(model):
     model.__dict__.pop("generate", None)
     model.__dict__.pop("relay_last_decision", None)
     model.__dict__.pop("relay_continuous_reason", None)
-    continuous = model.__dict__.pop("init_continuous_batching", None)
-    if continuous is not None:
-        continuous.remove_hook()
+    model.__dict__.pop("init_continuous_batching", None)
     if state.declined is None:
         _switch_back(model, state.original_attn)
     return model

@@ -19,12 +19,19 @@ per reason through the ``relay_hf`` logger); ``True`` for the ordinary cases (on
 from __future__ import annotations
 
 import inspect
+import warnings
 from dataclasses import dataclass, field
 
 import torch
 from transformers import CompileConfig, GenerationConfig
 
-from ._compat import attn_implementation, compile_all_devices, masks_skip_paged_cache, resolve_generation_config
+from ._compat import (
+    attn_implementation,
+    cache_recomputed_past,
+    compile_all_devices,
+    masks_skip_paged_cache,
+    resolve_generation_config,
+)
 from .cache import RelayCache
 from .decode import DEFAULT_DECODE, Sampler, loop_sampler
 from .names import is_paged_name, is_relay_name
@@ -64,6 +71,9 @@ _LOOP_ARGS = {"inputs", "input_ids", "attention_mask", "generation_config", "str
               "stopping_criteria", "use_model_defaults", "tokenizer", "cache", "past_key_values", "synced_gpus",
               "compile_config"}
 DECODE_MODES = ("auto", "graph", "compile", "eager")
+# how relay_hf's loop runs a decode step: its forward compiled by inductor (then replayed as CUDA graphs on CUDA), the
+# eager forward captured and replayed as CUDA graphs, or the eager forward run as it is (off CUDA)
+DECODE_STEPS = ("compiled", "cuda graph", "eager ops")
 TRAINING = "the model is in training mode (call model.eval())"
 NOT_PATCHED = "the model is not patched (relay_hf.patch)"
 
@@ -76,7 +86,9 @@ class RelayDecision:
     ``static``: it ran on a static (compileable) ``RelayCache``; ``fast_decode``: relay_hf's own decode loop (CUDA
     graphs per step on CUDA, no host sync per token) ran it, else transformers' loop did (``loop_reason`` says
     why); ``prefix_kept``: shared tokens taken from the model's prefix store (kept from an earlier call) instead of
-    prefilled."""
+    prefilled; ``decode_step``: how relay_hf's loop runs each step (``DECODE_STEPS``; ``""`` off that loop), which
+    is what ``patch(model, decode=...)`` asked for only where the device allows it (``decode="compile"`` compiles
+    on CUDA, or for a ``CompileConfig`` with ``_compile_all_devices``; elsewhere the loop runs eager ops)."""
 
     used: bool
     reason: str
@@ -87,6 +99,7 @@ class RelayDecision:
     loop_reason: str = ""
     groups: tuple[tuple[int, int, int], ...] = ()
     prefix_kept: int = 0
+    decode_step: str = ""
 
 
 @dataclass(frozen=True, eq=False)
@@ -100,6 +113,7 @@ class Plan:
         static: a static (compileable) ``RelayCache``; ``fast_decode``: relay_hf's own decode loop decodes,
             compiled with ``compile_config`` (and captured as a CUDA graph on CUDA) where that is set
             (``loop_reason`` says why not).
+        decode_step: how relay_hf's loop runs each step (``DECODE_STEPS``), ``""`` off it.
         new_tokens: tokens stock ``generate`` would make at most. ``static_capacity``: suffix positions of the
             static cache; ``static_rows``: its rows (on relay_hf's loop the batch rounded up to a capture size,
             ``DecodeConfig.bucket``). ``ids`` / ``mask`` ``[B, T]``; ``n_pad`` ``[B]``
@@ -116,6 +130,7 @@ class Plan:
     static: bool = False
     fast_decode: bool = False
     loop_reason: str = ""
+    decode_step: str = ""
     new_tokens: int = 0
     static_capacity: int = 0
     static_rows: int = 0
@@ -142,7 +157,7 @@ class Plan:
             groups = tuple((len(tree.path(j)) - 1, readers[j], tree.lengths[j]) for j in range(len(tree.ids))
                            if readers[j])
         return RelayDecision(self.relay, self.reason, self.prefix_length, self.rows, self.static, self.fast_decode,
-                             self.loop_reason, groups)
+                             self.loop_reason, groups, decode_step=self.decode_step)
 
 
 class RunStock(Exception):
@@ -235,6 +250,81 @@ def relay_pays(rows: int, prefix_length: int, device: torch.device, min_prefix_l
     if device.type == "cuda" and not captured_loop and shared < CUDA_MIN_SHARED_TOKENS:
         return (f"{shared} shared tokens (rows x prefix) < {CUDA_MIN_SHARED_TOKENS}: SDPA is faster on this GPU "
                 "(relay_hf.policy)")
+    return None
+
+
+@dataclass(frozen=True)
+class RopeLimit:
+    """A length past which a forward's longest position changes what the model computes at every position of it:
+    its rotary embedding's frequencies (dynamic NTK rescales them to the longest position past
+    ``max_position_embeddings``; longrope takes its long factors in a forward longer than
+    ``original_max_position_embeddings``), or its ``generate`` recomputing the whole sequence in one forward (Phi-3's).
+    Stock prefills the whole prompt in one forward; relay prefills each shared prefix alone, at its own length, so past
+    this point relay's prefix KV would not be stock's.
+
+    Attributes:
+        positions: a call whose prompt columns plus new tokens are at most this many runs every forward on fewer
+            positions, where the frequencies are the RoPE's base ones for relay's forwards and stock's alike (dynamic
+            NTK resets to them there after an earlier, longer call).
+        what: the change, for ``relay_last_decision.reason``.
+        beyond: whether relay is exact too when every shared prefix is longer than ``positions``: longrope's choice
+            depends on nothing but the forward's length, so each of relay's forwards then takes the long factors, as
+            stock's prompt does, and a cache already past the point is never recomputed. Dynamic NTK's frequencies
+            follow the longest position of each forward (and what earlier forwards grew them to): never.
+    """
+
+    positions: int
+    what: str
+    beyond: bool
+
+
+def rope_limits(model) -> list[RopeLimit]:
+    """The points past which ``model``'s forwards change with their length (``RopeLimit``): a dynamic NTK or longrope
+    RoPE (``rope_parameters``, per layer type where the config has several; ``rope_scaling`` where a config still
+    calls it so), and a ``prepare_inputs_for_generation`` that recomputes the sequence (``_compat``)."""
+    text = model.config.get_text_config(decoder=True)
+    max_pos = getattr(text, "max_position_embeddings", None)
+    params = getattr(text, "rope_parameters", None) or getattr(text, "rope_scaling", None) or {}
+    if not isinstance(params, dict):
+        params = {}
+    flat = "rope_type" in params or "type" in params  # else one dict per layer type
+    sets = [params] if flat else [p for p in params.values() if isinstance(p, dict)]
+    limits = []
+    for rope in sets:
+        kind = str(rope.get("rope_type", rope.get("type", "default")))
+        if "dynamic" in kind and isinstance(max_pos, int):  # transformers' own test: any type that says "dynamic"
+            limits.append(RopeLimit(max_pos, f"dynamic NTK RoPE (rope_type={kind!r}) rescales its frequencies in a "
+                                             f"forward longer than max_position_embeddings={max_pos}", False))
+        elif kind == "longrope":
+            original = (rope.get("original_max_position_embeddings")
+                        or getattr(text, "original_max_position_embeddings", None) or max_pos)
+            if isinstance(original, int):
+                limits.append(RopeLimit(original, "longrope RoPE takes its long factors in a forward longer than "
+                                                  f"original_max_position_embeddings={original}", True))
+    recomputed = cache_recomputed_past(model)
+    if recomputed is not None:
+        limits.append(RopeLimit(recomputed, f"{type(model).__name__}.generate recomputes the whole sequence once it is "
+                                            f"longer than original_max_position_embeddings={recomputed}", True))
+    return limits
+
+
+def rope_reason(model, grouping: Grouping, T: int, n_pad: torch.Tensor, n_new: int) -> str | None:
+    """Why this call must run stock because of ``rope_limits``, or ``None``. ``T``: prompt columns; ``n_pad`` ``[B]``
+    left pads; ``n_new``: new tokens at most. The call reaches the longer of the stock prompt and relay's layout
+    (whose columns can outnumber it under several prefixes; Phi-3's recompute counts columns) plus its new tokens:
+    relay serves it when that stays within a limit, or, past a limit that allows it, when every shared prefix is
+    longer than the limit (then every forward is past it, relay's as stock's)."""
+    limits = rope_limits(model)
+    if not limits:
+        return None
+    lengths = grouping.prefix_lengths()
+    columns = max(lengths) + max(T - n - p for n, p in zip(n_pad.tolist(), lengths))
+    reach = max(T, columns) + n_new
+    roots = [n for n, parent in zip(grouping.tree.lengths, grouping.tree.parents) if parent < 0]
+    for limit in limits:
+        if reach > limit.positions and not (limit.beyond and min(roots) > limit.positions):
+            return (f"the call can reach {reach} positions (prompt + new tokens) and the model's {limit.what}: relay "
+                    "prefills the shared prefix alone, at its own length, so its KV would not be stock's")
     return None
 
 
@@ -418,13 +508,17 @@ def _decide(model, call: dict) -> Plan:
     if max_pos is not None and P > max_pos:
         raise RunStock(f"shared prefix of {P} tokens is longer than max_position_embeddings ({max_pos})",
                        expected=True)
+    why = rope_reason(model, grouping, T, n_pad, n_new)
+    if why is not None:
+        raise RunStock(why)
     static, compiled = static_shape(model, gen, cache, grouping, fast)
     capacity = 0
     if static:  # rounded up so similar calls reuse one captured step
         suffix = max(T - int(n) - p for n, p in zip(n_pad.tolist(), prefix_lengths))
         capacity = -(-(suffix + n_new) // STATIC_ROUNDING) * STATIC_ROUNDING
     return Plan(True, "relay", rows=rows, prefix_length=P, static=static, fast_decode=fast,
-                loop_reason="relay_hf decode loop" if fast else loop_why, new_tokens=n_new, static_capacity=capacity,
+                loop_reason="relay_hf decode loop" if fast else loop_why,
+                decode_step=decode_step(model, gen, fast, compiled), new_tokens=n_new, static_capacity=capacity,
                 static_rows=DEFAULT_DECODE.bucket(rows) if fast else rows, ids=ids, mask=mask, n_pad=n_pad,
                 user_cache=cache, grouping=grouping, gen=gen, compile_config=compiled, sampler=sampler)
 
@@ -525,6 +619,26 @@ def static_shape(model, gen: GenerationConfig, cache: RelayCache | None, groupin
                 and (asked_static or model._relay_state.decode == "compile" or compiled_by_default(model))
                 else None)
     return static, compiled
+
+
+def decode_step(model, gen: GenerationConfig, fast: bool, compiled: CompileConfig | None) -> str:
+    """How relay_hf's loop will run this call's steps (``DECODE_STEPS``; ``""`` off the loop). A model patched with
+    ``decode="compile"`` whose step does not compile because of its device (transformers' rule, ``compile_config``:
+    CUDA, or a ``CompileConfig`` with ``_compile_all_devices``) gets a warning saying what runs instead; a call that
+    turns compiling off (``disable_compile=True``) or a batch that reads through work tables (``static_shape``) is
+    documented to run the eager step and does not."""
+    if not fast:
+        return ""
+    if compiled is not None:
+        return "compiled"
+    step = "cuda graph" if model.device.type == "cuda" else "eager ops"
+    if model._relay_state.decode == "compile" and not gen.disable_compile and compile_config(model, gen) is None:
+        device = model.device.type
+        warnings.warn(f"relay_hf: decode='compile' compiles the decode step on CUDA only, as transformers compiles "
+                      f"(a CompileConfig with _compile_all_devices=True compiles on {device} too): this call on "
+                      f"{device} runs relay_hf's loop on eager ops (relay_last_decision.decode_step)", UserWarning,
+                      stacklevel=6)
+    return step
 
 
 def compiled_by_default(model) -> bool:

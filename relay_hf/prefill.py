@@ -15,6 +15,7 @@ import torch
 from transformers.cache_utils import DynamicCache
 
 from ._compat import cache_kwarg_name
+from .freshness import SegmentCheck
 from .kernels.groups import window_kept
 from .prefix import PrefixTree
 
@@ -67,18 +68,27 @@ def segment_key(tree: PrefixTree, j: int) -> tuple[int, bytes]:
     return tree.starts()[j], tree.full_ids(j).numpy().tobytes()
 
 
-def segment_nbytes(states) -> int:
-    """Bytes of one kept segment's per-layer keys and values."""
-    return sum(k.nbytes + v.nbytes for k, v in states)
+class KeptSegment(NamedTuple):
+    """A segment as the prefix store keeps it: per layer its own positions' keys / values ``[1, H_kv, n, D]``, and
+    the check a hit must pass (``freshness.SegmentCheck``)."""
+
+    states: list[tuple[torch.Tensor, torch.Tensor]]
+    check: SegmentCheck
+
+
+def segment_nbytes(kept: KeptSegment) -> int:
+    """Bytes of one kept segment: its per-layer keys and values, and its check."""
+    return sum(k.nbytes + v.nbytes for k, v in kept.states) + kept.check.nbytes()
 
 
 @torch.no_grad()
 def prefill_tree(model, tree: PrefixTree, store=None, depends=None) -> Prefilled:
     """Prefill the segments of ``tree`` (roots at position 0, each child after its parent's KV) at batch 1.
 
-    ``store`` (a ``store.PrefixStore`` of segments, with the model's ``kv_dependencies`` as ``depends``): each
-    segment's KV is taken from it where kept (a system prompt kept from an earlier call; a new document under it then
-    prefills alone, after the kept prompt's KV) and kept there once prefilled.
+    ``store`` (a ``store.PrefixStore`` of ``KeptSegment``s, with the model's ``kv_dependencies`` as ``depends``):
+    each segment's KV is taken from it where kept and its check holds for the model as it is now (a system prompt
+    kept from an earlier call; a new document under it then prefills alone, after the kept prompt's KV), else
+    prefilled and kept there.
     """
     text_config = model.config.get_text_config(decoder=True)
     max_pos = getattr(text_config, "max_position_embeddings", None)
@@ -99,12 +109,21 @@ def prefill_tree(model, tree: PrefixTree, store=None, depends=None) -> Prefilled
         # its own positions, compact (a child's slice would keep the copied ancestors alive)
         return [(k[:, :, skip:].contiguous(), v[:, :, skip:].contiguous()) for k, v in _kv(scratch)]
 
+    memo: dict = {}  # the checks' values through the model as it is now, shared by this call's segments
+
+    def build(j: int) -> KeptSegment:
+        return KeptSegment(prefill(j), SegmentCheck.record(model, tree.full_ids(j), tree.ids[j], memo))
+
+    def fresh(entry: KeptSegment, j: int) -> bool:
+        return entry.check.holds(model, tree.full_ids(j), tree.ids[j], memo)
+
     for j in sorted(range(len(tree.ids)), key=lambda j: len(tree.path(j))):  # parents first
         if store is None:
             states[j] = prefill(j)
             continue
         built = []  # whether this call's lookup prefilled it (the store's counters are shared with other threads)
-        states[j] = store.get(segment_key(tree, j), depends, lambda j=j, built=built: built.append(j) or prefill(j))
+        states[j] = store.get(segment_key(tree, j), depends, lambda j=j, built=built: built.append(j) or build(j),
+                              lambda entry, j=j: fresh(entry, j)).states
         kept += 0 if built else tree.lengths[j]
     # a sliding-window layer keeps of each segment only what a query after it can see (its last window - 1
     # tokens), where that saves enough; every other layer keeps it all

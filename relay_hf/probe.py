@@ -32,6 +32,10 @@ sliding-window cache and relay's trimmed prefix all run past the window. Longer 
 to 4096) run the same code with larger numbers, where a probe past them would cost a prefill of that length; tests
 cover them with small windows.
 
+A model whose forwards change with their length (dynamic NTK or longrope RoPE: ``policy.rope_limits``) is probed
+where relay serves it: below that point, or for longrope past it when the point comes before the probe's positions
+end; a dynamic NTK model whose point comes that soon is declined with a reason naming its RoPE.
+
 A few milliseconds on a small model, and the model comes back as it was: every module's attributes, parameters,
 buffers and training flag, its configs' layer counts, and the global RNG state.
 """
@@ -46,6 +50,7 @@ import torch
 
 from ._compat import cache_kwarg_name, output_cache
 from .cache import RelayCache
+from .policy import rope_limits
 from .prefill import trim_window
 from .prefix import relay_layout
 
@@ -369,7 +374,7 @@ def _probe_inputs(model) -> dict:
     vocab = getattr(embeddings, "num_embeddings", None) or text.vocab_size
     special = _special_ids(model)
     room = getattr(text, "max_position_embeddings", None) or 4 * MAX_WINDOW
-    n_prefix = _prefix_length(_window(model), room - max(PROBE_SUFFIXES) - 1)
+    n_prefix = _probe_prefix(model, room)
     n_tokens = n_prefix + sum(PROBE_SUFFIXES) + 1
     # ordinary tokens from the upper half of the vocabulary, never an id a config reserves, repeated where a long
     # prefix needs more than there are; deterministic (no RNG)
@@ -411,6 +416,25 @@ def _window(model) -> int | None:
     if isinstance(window, int) and not isinstance(window, bool) and window > 0 and slides:
         found.add(window)
     return min(found, default=None)
+
+
+def _probe_prefix(model, room: int) -> int:
+    """The probe's prefix length (``_prefix_length``), its rows and step within ``room`` positions and where relay is
+    meant to be exact for a model whose forwards change with their length (``policy.rope_limits``): below every such
+    limit, as the calls relay serves there (a probe past a dynamic NTK limit would compare frequencies relay never
+    runs with, and decline a model it serves below it); else, where every limit allows it, a prefix past them all.
+    ``ValueError`` where neither fits: relay then cannot be checked on the model."""
+    extra = max(PROBE_SUFFIXES) + 1  # the longest row's tokens after the prefix, and the decode step
+    limits = rope_limits(model)
+    # the probe is a call of extra + 1 new tokens; rope_reason serves it when its prefix + extra + 1 <= positions
+    below = min([room] + [limit.positions - 1 for limit in limits])
+    if not limits or PROBE_PREFIX + extra <= below:
+        return _prefix_length(_window(model), below - extra)
+    past = max(limit.positions for limit in limits) + 1
+    if all(limit.beyond for limit in limits) and past + extra <= room:
+        return past
+    raise ValueError(f"the probe needs {PROBE_PREFIX + extra + 1} positions and the model's "
+                     f"{min(limits, key=lambda limit: limit.positions).what}")
 
 
 def _prefix_length(window: int | None, room: int) -> int:

@@ -19,10 +19,19 @@ class RelayStats:
 
     Attributes:
         relay_steps: decode steps (continuous batching: forward steps) in which relay read a shared prefix once for
-            several rows.
+            several rows: every decode step of a relay ``generate`` call (one per new token after the first) where
+            at least two rows read a shared segment.
         relay_rows: rows those steps served (one per row and step).
-        kv_bytes_not_reread: prefix KV bytes (keys and values, every layer) those steps did not read again: per step,
-            ``(readers - 1) * tokens`` of each shared segment, times the bytes of one token's KV.
+        kv_bytes_not_reread: prefix KV bytes that stock attention would have read in those steps and relay did not.
+            Per decode step, layer and shared segment, stock reads, for each row that reads the segment, the segment
+            tokens that row's query sees: all of them in a full-attention layer; in a layer with a sliding window
+            ``w``, those at positions ``> t - w`` for a query at position ``t`` (at most the segment's last
+            ``w - 1`` tokens, all that a trimmed ``RelayCache`` layer keeps of it). Relay reads them once, as many
+            as the reader that sees the most. The difference times the layer's bytes per token (its KV heads times
+            its key and value head dims, in the model's dtype) is counted: ``(readers - 1) * tokens`` in a
+            full-attention layer; in a windowed layer less, and nothing once the rows' windows have moved past the
+            segment. Continuous batching counts per forward step ``(readers - 1) * tokens`` of each shared run of
+            blocks over the full-attention layers (it runs stock for models with sliding-window layers).
         prefix_hits: calls (pipeline batches, ``generate`` calls) whose shared prefix came from the prefix store
             instead of a prefill.
         prefill_tokens_saved: prefix tokens those hits did not prefill again.
@@ -60,22 +69,99 @@ class Counters:
             return RelayStats(**self._values)
 
 
-def kv_bytes_per_token(model) -> int:
-    """Bytes of one token's keys and values over every layer of ``model`` in its dtype: from the attention modules'
-    key and value projections where they have them (per-layer head counts and dims, as Gemma 4's), else from the
-    text config."""
-    widths = [m.k_proj.out_features + m.v_proj.out_features for m in model.modules()
-              if isinstance(getattr(m, "k_proj", None), torch.nn.Linear)
-              and isinstance(getattr(m, "v_proj", None), torch.nn.Linear)]
-    if widths:
-        return sum(widths) * model.dtype.itemsize
+def layer_kv_bytes(model) -> list[int]:
+    """Per decoder layer (``[num_hidden_layers]`` of the text config), the bytes of one token's keys and values in
+    the model's dtype: from the layer's attention module (the one whose ``layer_idx`` names the layer) and its key
+    and value projections, so per-layer head counts and dims (Gemma 4's) count as they are; from the text config
+    (the same for every layer) when not every layer has exactly one such module."""
     text = model.config.get_text_config(decoder=True)
+    layers = getattr(text, "num_hidden_layers", 1)
+    itemsize = model.dtype.itemsize
+    found: dict[int, list[int]] = {}
+    for m in model.modules():
+        index, k, v = getattr(m, "layer_idx", None), getattr(m, "k_proj", None), getattr(m, "v_proj", None)
+        if (isinstance(index, int) and 0 <= index < layers and isinstance(k, torch.nn.Linear)
+                and isinstance(v, torch.nn.Linear)):
+            found.setdefault(index, []).append((k.out_features + v.out_features) * itemsize)
+    if all(len(found.get(i, ())) == 1 for i in range(layers)):
+        return [found[i][0] for i in range(layers)]
     heads = getattr(text, "num_attention_heads", 1)
     kv_heads = getattr(text, "num_key_value_heads", None) or heads
     head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
     value_dim = getattr(text, "v_head_dim", None) or head_dim
+    return [kv_heads * (head_dim + value_dim) * itemsize] * layers
+
+
+def kv_bytes_per_token(model) -> int:
+    """Bytes of one token's keys and values over every layer of ``model`` (``layer_kv_bytes`` summed)."""
+    return sum(layer_kv_bytes(model))
+
+
+def attention_windows(model) -> list[int | None]:
+    """Per decoder layer, the sliding window its attention applies (stock's and relay's alike: a query at position
+    ``t`` sees keys at positions ``> t - window``), or ``None`` for a full-attention layer; read from the text config
+    as transformers reads it for its own caches (``layer_types``, else ``sliding_window`` for every layer)."""
+    text = model.config.get_text_config(decoder=True)
     layers = getattr(text, "num_hidden_layers", 1)
-    return layers * kv_heads * (head_dim + value_dim) * model.dtype.itemsize
+    window = getattr(text, "sliding_window", None)
+    if not getattr(text, "use_sliding_window", True):
+        window = None
+    types = getattr(text, "layer_types", None) or ["sliding_attention"] * layers
+    return [window if i < len(types) and types[i] == "sliding_attention" else None for i in range(layers)]
+
+
+def full_layer_kv_bytes(model) -> int:
+    """One token's key and value bytes over the full-attention layers of ``model`` (``attention_windows``): what a
+    continuous-batching step saves per shared KV position it does not read again."""
+    return sum(n for n, w in zip(layer_kv_bytes(model), attention_windows(model)) if w is None)
+
+
+def _seen_sum(reach: int, tokens: int, steps: int) -> int:
+    """``sum over k = 1 .. steps of min(tokens, max(0, reach - k))``: the segment tokens one reader's window sees
+    over ``steps`` decode steps, when at step ``k`` it sees ``reach - k`` of them (clipped to the segment)."""
+
+    def upto(m: int) -> int:  # sum over x = 1 .. m of min(tokens, x)
+        if m <= 0:
+            return 0
+        if m <= tokens:
+            return m * (m + 1) // 2
+        return tokens * (tokens + 1) // 2 + (m - tokens) * tokens
+
+    return upto(reach - 1) - upto(reach - 1 - steps)
+
+
+def decode_bytes_not_reread(segments, steps: int, layers) -> int:
+    """The prefix KV bytes relay does not read again over ``steps`` decode steps (``RelayStats.kv_bytes_not_reread``).
+
+    Args:
+        segments: per shared segment ``(end, tokens, firsts)``: the absolute position just after its last token,
+            its length, and per row that reads it the position of that row's first decode query (its prompt
+            length: step ``k`` queries position ``first + k - 1``).
+        steps: decode steps (new tokens after the first).
+        layers: per layer ``(window, bytes)``: its sliding window (``None``: full attention) and one token's KV
+            bytes.
+
+    Per layer, step and segment: stock reads, per reader, the segment tokens its query sees (all of them under full
+    attention; those at positions ``> t - window`` under a window), relay reads the most any reader sees, once.
+    """
+    per_window: dict[int | None, int] = {}
+    for window, nbytes in layers:
+        per_window[window] = per_window.get(window, 0) + nbytes
+    total = 0
+    for window, nbytes in per_window.items():
+        tokens_saved = 0
+        for end, tokens, firsts in segments:
+            if len(firsts) < 2:
+                continue
+            if window is None:
+                tokens_saved += (len(firsts) - 1) * tokens * steps
+                continue
+            # at step k the reader at `first` sees the positions > first + k - 1 - window of the segment: end +
+            # window - first - k of them; the reader with the earliest first query sees the most
+            seen = [_seen_sum(end + window - first, tokens, steps) for first in firsts]
+            tokens_saved += sum(seen) - _seen_sum(end + window - min(firsts), tokens, steps)
+        total += tokens_saved * nbytes
+    return total
 
 
 def stats(model) -> RelayStats:

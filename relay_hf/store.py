@@ -1,14 +1,22 @@
 """Prefilled prefixes kept between calls: ``PrefixStore``, and what a kept prefix's KV depends on.
 
-A prefix's KV is a function of its token ids and of the model as it is at prefill time: its weights (edited in place
-by a training step or ``load_state_dict``, replaced by ``model.to(...)``), dtype, device, attention implementation,
-training mode and adapters. ``kv_dependencies(model)`` reads all of that as one comparable value; the store drops
-every entry built under another value before it answers, so a kept prefix is never served to a model it does not
-belong to (the entry is prefilled again instead).
+A prefix's KV is a function of its token ids and of the model as it is at prefill time. Two checks stand between a
+kept prefix and a model that has changed since (docs/api.md, "Kept prefixes", states the guarantee):
+
+- ``kv_dependencies(model)``, read once per call: the model's structure as one comparable value: each parameter's and
+  buffer's identity, address, dtype, device, shape and version counter (an in-place write through autograd, an
+  optimizer step, ``load_state_dict``, ``model.to``), each module's type, training flag, adapter switches, hooks,
+  forward replaced on the instance, plain values and dicts of plain values (a rotary ``attention_scaling``, PEFT's
+  ``scaling`` dict), torch's global hooks and the attention implementation. The store drops every entry built under
+  another value before it answers.
+- on every hit, the entry's own check (``freshness.SegmentCheck``): what it recomputes through the model as it is now
+  must equal, bit for bit, what it recorded when the entry was built. That catches what no counter sees (a write
+  through ``.data``, into raw storage), wherever in the model it lands.
 
 The store itself knows nothing of models (testable on its own): entries are keyed by a hashable key (the prefix's
 token ids), built on a miss by the caller's function under the store's lock (concurrent callers share one prefill),
-and evicted least recently used first down to a byte budget, except those a running call holds.
+checked on a hit by the caller's function, and evicted least recently used first down to a byte budget, except those
+a running call holds.
 """
 
 from __future__ import annotations
@@ -20,26 +28,22 @@ from contextlib import contextmanager
 
 import torch
 
-# elements of each weight read into the dependencies (first, middle, last): a write that bypasses the tensor's version
-# counter (``param.data.copy_(...)``, a checkpoint loaded through ``.data``) still changes what these read
-_SAMPLES = 3
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """A tensor-parallel ``DTensor``'s shard on this rank (its own storage and version counter), else ``t``."""
+    to_local = getattr(t, "to_local", None)
+    return t if to_local is None else to_local()
 
 
 def _weights_signature(model: torch.nn.Module) -> tuple:
-    """Per parameter and buffer: its identity, address, dtype, device and version counter (a tensor's
+    """Per parameter and buffer: its name, identity, address, dtype, device, shape and version counter (a tensor's
     ``_version`` goes up at every in-place write made through it: optimizer steps, ``load_state_dict``,
-    ``torch.no_grad()`` edits), plus its first, middle and last elements, read in one copy per device and dtype."""
-    meta, samples = [], {}
+    ``torch.no_grad()`` edits). Host metadata only: no device read."""
+    out = []
     for name, t in (*model.named_parameters(), *model.named_buffers()):
-        meta.append((name, id(t), t.data_ptr(), t.dtype, t.device, t._version, tuple(t.shape)))
-        n = t.numel()
-        if n and not t.is_meta:
-            flat = t.detach().reshape(-1)
-            samples.setdefault((str(t.device), t.dtype), []).extend(
-                flat[i:i + 1] for i in (0, n // 2, n - 1)[:_SAMPLES])  # views: no copy until the one cat
-    ordered = sorted(samples.items(), key=lambda item: str(item[0]))  # by (device, dtype): never print a tensor
-    values = tuple((key, tuple(torch.cat(parts).cpu().tolist())) for key, parts in ordered)
-    return tuple(meta), values
+        local = _local(t)
+        out.append((name, id(t), local.data_ptr(), t.dtype, t.device, local._version, tuple(t.shape)))
+    return tuple(out)
 
 
 _SCALARS = (bool, int, float, str, type(None))
@@ -49,19 +53,29 @@ def _hooks(hooks: dict) -> tuple:
     return tuple((key, id(hook)) for key, hook in hooks.items())
 
 
+def _plain(value) -> bool:
+    """A value a forward may read that the signature can hold: a scalar, or a dict of scalars (PEFT's per-adapter
+    ``scaling``)."""
+    if isinstance(value, _SCALARS):
+        return True
+    return isinstance(value, dict) and len(value) <= 64 and all(isinstance(v, _SCALARS) for v in value.values())
+
+
 def _modules_signature(model: torch.nn.Module) -> tuple:
     """Per module: its type, training flag, adapter switches (PEFT's ``disable_adapters`` / ``active_adapters`` /
-    ``merged_adapters``, where a module has them), the forward hooks on it (activation steering changes the KV) and
-    the plain values its forward may read (``scaling``, a rotary ``attention_scaling``...); and torch's global
-    forward hooks."""
+    ``merged_adapters``, where a module has them), the forward hooks on it (activation steering changes the KV), a
+    ``forward`` replaced on the instance, and the plain values its forward may read (``scaling``, a rotary
+    ``attention_scaling``, a dict of adapter scales...); and torch's global forward hooks."""
     out = []
     for name, m in model.named_modules():
         adapters = tuple(str(getattr(m, a, None)) for a in ("_disable_adapters", "_active_adapter", "merged_adapters")
                          if hasattr(m, a))
-        scalars = tuple((k, v) for k, v in vars(m).items()
-                        if not k.startswith(("_", "relay_")) and isinstance(v, _SCALARS))  # relay_hf's own: not read
+        plain = tuple((k, tuple(sorted(v.items(), key=repr)) if isinstance(v, dict) else v)
+                      for k, v in vars(m).items()
+                      if not k.startswith(("_", "relay_")) and _plain(v))  # relay_hf's own: not read
+        forward = m.__dict__.get("forward")
         out.append((name, type(m), m.training, adapters, _hooks(m._forward_hooks), _hooks(m._forward_pre_hooks),
-                    scalars))
+                    plain, None if forward is None else id(forward)))
     from torch.nn.modules import module as torch_module
 
     out.append((_hooks(torch_module._global_forward_hooks), _hooks(torch_module._global_forward_pre_hooks)))
@@ -69,9 +83,9 @@ def _modules_signature(model: torch.nn.Module) -> tuple:
 
 
 def kv_dependencies(model: torch.nn.Module) -> tuple:
-    """Everything a prefix's KV computed by ``model`` now depends on besides its tokens, as one comparable value:
-    equal before and after a change only if the change cannot alter the KV (one pass over the parameters and
-    modules, one small device-to-host copy)."""
+    """Everything about ``model``'s structure a prefix's KV computed by it now depends on besides its tokens, as one
+    comparable value (one pass over the parameters and modules, no device read). What it cannot see (a write that
+    bypasses version counters) each kept entry's check catches on a hit (module docstring)."""
     from ._compat import attn_implementation
 
     config = getattr(model, "config", None)
@@ -106,7 +120,7 @@ class PrefixStore:
         self._held: dict[Hashable, int] = {}  # key -> running calls holding it (never evicted meanwhile)
         self._lock = threading.RLock()
         self._packed: tuple[tuple, object] | None = None  # (the entries packed, by identity; their packing)
-        self.hits = self.misses = 0
+        self.hits = self.misses = self.stale = 0
 
     @property
     def budget_bytes(self) -> int:
@@ -117,12 +131,19 @@ class PrefixStore:
         """A new budget; entries beyond it go at the next ``trim``."""
         self._budget = checked_budget(value)
 
-    def get(self, key: Hashable, depends: object, build: Callable[[], object]) -> object:
+    def get(self, key: Hashable, depends: object, build: Callable[[], object],
+            fresh: Callable[[object], bool] | None = None) -> object:
         """The value kept for ``key``, or ``build()``'s (then kept). Entries built under other ``depends`` than
-        these are dropped first: they belong to a model that has changed since."""
+        these are dropped first: they belong to a model that has changed since; so is a kept value for which
+        ``fresh(value)`` is false (``stale`` counts those)."""
         with self._lock:
             self._check(depends)
             entry = self._entries.get(key)
+            if entry is not None and fresh is not None and not fresh(entry[0]):
+                del self._entries[key]
+                self._packed = None
+                self.stale += 1
+                entry = None
             if entry is None:
                 self.misses += 1
                 value = build()
@@ -169,7 +190,8 @@ class PrefixStore:
 
     def trim(self, keep: Iterable[Hashable] = ()) -> None:
         """Drop least recently used entries until the kept bytes fit the budget; entries in ``keep`` or held by a
-        running call stay (so the store may exceed its budget while they run)."""
+        running call stay (so the store may exceed its budget while they run; a call lets go of them when it ends,
+        ``holding``, and the store is within its budget again)."""
         with self._lock:
             keep = set(keep) | set(self._held)
             held = self.nbytes()

@@ -2,7 +2,9 @@
 
 Loads the saved model with transformers' tensor parallelism (``tp_plan="auto"``), runs stock continuous batching
 (``generate_batch``) on it, then patches it and runs it again; writes ``rank{RANK}.json`` into the output folder: both
-runs' tokens, ``relay_hf.stats`` and the ``(query heads, KV heads)`` relay attention saw on this rank.
+runs' tokens, ``relay_hf.stats`` and the ``(query heads, KV heads)`` relay attention saw on this rank; then two plain
+``generate`` calls on the patched sharded model (the second under the prompts the first kept): their new tokens and
+``relay_last_decision`` (used, prefix_kept).
 
 Usage: ``python -m torch.distributed.run --standalone --nproc_per_node 2 continuous_tp_worker.py MODEL_DIR OUT_DIR``,
 with ``MODEL_DIR/requests.json`` holding ``{"inputs": [[token, ...], ...], "max_new_tokens": n}`` and the repository
@@ -22,6 +24,7 @@ from transformers.distributed import DistributedConfig  # noqa: E402
 
 import relay_hf  # noqa: E402
 from relay_hf import continuous  # noqa: E402
+from tests.helpers import left_pad  # noqa: E402
 from tests.test_continuous import cb_config, greedy, tokens  # noqa: E402
 
 
@@ -48,8 +51,18 @@ def main(model_dir: str, out_dir: str) -> None:
     continuous.paged_relay_attention = spy
     relay_hf.patch(model, min_prefix_length=8)
     relay = run()
-    report = dict(rank=torch.distributed.get_rank(), stock=stock, relay=relay, stats=relay_hf.stats(model).as_dict(),
-                  heads=sorted(heads), attn=model.config._attn_implementation)
+    cb_stats = relay_hf.stats(model).as_dict()
+    # plain generate after patch on the sharded model: twice, the second under the prompts the first one kept
+    rows = [torch.tensor(p) for p in inputs]
+    ids, mask = left_pad(rows)
+    generated, decisions = [], []
+    for _ in range(2):
+        out = model.generate(ids, attention_mask=mask, generation_config=gen)
+        generated.append(out[:, ids.shape[1]:].tolist())
+        decisions.append([model.relay_last_decision.used, model.relay_last_decision.prefix_kept])
+    report = dict(rank=torch.distributed.get_rank(), stock=stock, relay=relay, stats=cb_stats,
+                  heads=sorted(heads), attn=model.config._attn_implementation, generate=generated,
+                  decisions=decisions)
     (Path(out_dir) / f"rank{report['rank']}.json").write_text(json.dumps(report))
     torch.distributed.destroy_process_group()
 

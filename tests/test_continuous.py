@@ -9,6 +9,8 @@ import torch
 from transformers import ContinuousBatchingConfig, GenerationConfig
 
 import relay_hf
+from relay_hf._compat import attn_implementation
+from relay_hf.names import is_relay_name
 from tests.helpers import VOCAB, tiny_model
 
 PAGE = 16
@@ -232,3 +234,101 @@ def test_unpatch_drops_a_persistent_manager_built_for_relay(llama):
                                         persistent_manager=True), 3)
     llama.destroy_cached_continuous_batching_manager()
     assert relay == stock and again == stock and llama.config._attn_implementation == "sdpa"
+
+
+# -- unpatch and managers, in every order of events ------------------------------------------------------------------
+def _serve(manager, inputs, timeout=120.0) -> list:
+    """Every request of ``inputs`` through a running ``manager``: the generated tokens, in order."""
+    ids = [manager.add_request(p, request_id=f"s{i}") for i, p in enumerate(inputs)]
+    got = {}
+    deadline = time.monotonic() + timeout
+    while len(got) < len(ids) and time.monotonic() < deadline:
+        out = manager.get_result(timeout=1)
+        if out is not None and out.is_finished():
+            got[out.request_id] = out.generated_tokens
+    return [got.get(i) for i in ids]
+
+
+# stock-served: relay runs stock continuous batching for the manager of a sliding-window model (or of a config that
+# asks for CUDA graphs); a manager started before patch is stock's own, whatever the model
+STOCK_SERVED_ORDERS = [
+    ("patch", "start", "unpatch", "serve", "stop"),
+    ("patch", "start", "stop", "unpatch"),
+    ("start", "patch", "stop", "unpatch"),
+    ("start", "patch", "unpatch", "stop"),
+    ("patch", "start", "unpatch", "stop", "patch", "unpatch"),
+    ("patch", "start", "unpatch", "patch", "stop", "unpatch"),
+    ("patch", "start", "unpatch", "patch", "unpatch", "stop"),
+    ("patch", "start", "start", "stop", "unpatch", "stop"),
+]
+# relay-served: unpatch is refused while the manager runs relay attention, and undoes everything once it stopped
+RELAY_SERVED_ORDERS = [
+    ("patch", "start", "serve", "stop", "unpatch"),
+    ("patch", "start", "refused unpatch", "serve", "stop", "unpatch"),
+    ("patch", "start", "stop", "unpatch", "patch", "start", "stop", "unpatch"),
+    ("start", "patch", "stop", "unpatch"),
+    ("start", "patch", "unpatch", "stop"),
+]
+
+
+def _run_events(model, events, inputs, want, cbc):
+    """Play ``events`` on ``model``: patch / unpatch / a refused unpatch, start a manager, stop the oldest running
+    one, serve ``inputs`` on the newest (its tokens must be ``want``). A stop leaves the managers still running on
+    the attention they run."""
+    running = []
+    try:
+        for event in events:
+            if event == "patch":
+                relay_hf.patch(model, min_prefix_length=8)
+            elif event == "unpatch":
+                relay_hf.unpatch(model)
+            elif event == "refused unpatch":
+                with pytest.raises(ValueError, match="stop it before relay_hf.unpatch"):
+                    relay_hf.unpatch(model)
+                assert relay_hf.is_patched(model)
+            elif event == "start":
+                running.append(model.init_continuous_batching(generation_config=greedy(),
+                                                              continuous_batching_config=cbc))
+                running[-1].start()
+            elif event == "stop":
+                running.pop(0).stop(block=True, timeout=30)
+                if running:  # the others still run stock continuous batching: the model stays off relay
+                    assert not is_relay_name(attn_implementation(model.config))
+            else:
+                assert _serve(running[-1], inputs) == want, event
+    finally:  # a failed check leaves no manager thread behind
+        for manager in running:
+            manager.stop(block=True, timeout=30)
+    assert not running
+
+
+def _check_stock(model, inputs, want, cbc, hooks):
+    """The model is stock again: its own attention, no patch, no hook, stock continuous batching's tokens."""
+    assert attn_implementation(model.config) == "sdpa" and not relay_hf.is_patched(model)
+    assert "init_continuous_batching" not in model.__dict__ and len(model._forward_pre_hooks) == hooks
+    again = tokens(model.generate_batch(inputs, generation_config=greedy(), continuous_batching_config=cbc),
+                   len(inputs))
+    assert again == want and attn_implementation(model.config) == "sdpa"
+
+
+@pytest.mark.parametrize("served", ["sliding window", "CUDA graphs asked"])
+@pytest.mark.parametrize("events", STOCK_SERVED_ORDERS, ids=" > ".join)
+def test_unpatch_leaves_stock_in_every_order_with_a_stock_served_manager(events, served):
+    if served == "sliding window":
+        model, cbc = tiny_model("mistral", seed=5, sliding_window=24), cb_config()
+    else:
+        model, cbc = tiny_model("llama", seed=3), cb_config(use_cuda_graph=True)
+    inputs = requests_under([(40, 3)], seed=12)
+    want = tokens(model.generate_batch(inputs, generation_config=greedy(), continuous_batching_config=cbc), 3)
+    hooks = len(model._forward_pre_hooks)
+    _run_events(model, events, inputs, want, cbc)
+    _check_stock(model, inputs, want, cbc, hooks)
+
+
+@pytest.mark.parametrize("events", RELAY_SERVED_ORDERS, ids=" > ".join)
+def test_unpatch_leaves_stock_in_every_order_with_a_relay_served_manager(llama, events):
+    inputs = requests_under([(40, 3)], seed=13)
+    want = tokens(llama.generate_batch(inputs, generation_config=greedy(), continuous_batching_config=cb_config()), 3)
+    hooks = len(llama._forward_pre_hooks)
+    _run_events(llama, events, inputs, want, cb_config())
+    _check_stock(llama, inputs, want, cb_config(), hooks)

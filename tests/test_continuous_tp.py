@@ -12,7 +12,7 @@ import sys
 import pytest
 import torch
 
-from tests.helpers import REPO, tiny_model
+from tests.helpers import REPO, left_pad, tiny_model
 from tests.test_continuous import greedy, requests_under
 
 RANKS = 2
@@ -44,6 +44,8 @@ def test_continuous_batching_under_tensor_parallelism_gives_stock_tokens_and_rel
     new = 12
     want = [model.generate(torch.tensor([p]), generation_config=greedy(new))[0, len(p):].tolist() for p in inputs]
     assert all(len(t) == new for t in want) and len({tuple(t) for t in want}) == len(inputs)
+    ids, mask = left_pad([torch.tensor(p) for p in inputs])
+    batched = type(model).generate(model, ids, attention_mask=mask, generation_config=greedy(new))[:, ids.shape[1]:]
     model.save_pretrained(tmp_path)
     (tmp_path / "requests.json").write_text(json.dumps({"inputs": inputs, "max_new_tokens": new}))
 
@@ -56,6 +58,8 @@ def test_continuous_batching_under_tensor_parallelism_gives_stock_tokens_and_rel
         assert r["relay"] == want, f"relay continuous batching under TP, rank {r['rank']}"
         assert r["heads"] == [[4, 1]]  # relay attention ran on this rank's shard of the heads, and only on it
         assert r["attn"] == "relay"
+        assert r["generate"] == [batched.tolist()] * 2, f"patched generate under TP, rank {r['rank']}"
+        assert all(used for used, _ in r["decisions"]) and r["decisions"][1][1] > 0  # the second kept the prompts
     driver = ranks[0]["stats"]
     assert driver["relay_steps"] > 0 and driver["relay_rows"] > driver["relay_steps"]
     assert driver["kv_bytes_not_reread"] > 0

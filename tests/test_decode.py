@@ -22,6 +22,7 @@ from transformers.generation.streamers import BaseStreamer
 
 import relay_hf
 from relay_hf.decode import DEFAULT_DECODE, WARM_UP_STEPS, Captured, DecodeConfig, Eager, Pending, Warming
+from relay_hf.policy import decide
 from relay_hf.state import relay_state
 from tests.helpers import VOCAB, grouped_batch, run_stock, shared_prefix_batch, tiny_model
 
@@ -386,6 +387,37 @@ def test_off_cuda_the_step_and_its_choice_run_eagerly_and_say_why():
         assert step.choice.state == step.state and not step.captures and step.graph is None
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="decode='compile' compiles on CUDA")
+def test_compile_mode_off_cuda_warns_and_says_its_steps_run_eager_ops():
+    """transformers compiles a decode step on CUDA only, unless a ``CompileConfig`` says every device, and so does
+    the loop: off CUDA ``decode="compile"`` runs eager ops, warns, and the decision names the step that ran."""
+    model = tiny_model("llama")
+    ids, mask, _ = shared_prefix_batch(seed=36)
+    gen = dict(max_new_tokens=6, do_sample=False)
+    stock = run_stock(model, ids, mask, **gen)
+    gen["attention_mask"] = mask
+    relay_hf.patch(model, min_prefix_length=8, decode="compile")
+    with pytest.warns(UserWarning, match="decode='compile' compiles the decode step on CUDA only"):
+        out = model.generate(ids, **gen)
+    decision = model.relay_last_decision
+    assert decision.used and decision.fast_decode and decision.decode_step == "eager ops", decision
+    step = relay_state(model).idle_static().stepper
+    assert not step.compiled and step.kind == "eager ops" and torch.equal(out, stock)
+    with _relay_warnings() as found:  # a call that turns compiling off asked for eager steps
+        model.generate(ids, disable_compile=True, **gen)
+    assert not found and model.relay_last_decision.decode_step == "eager ops"
+    config = CompileConfig()
+    config._compile_all_devices = True  # every device, as transformers allows: then the loop compiles here too
+    with _relay_warnings() as found:
+        plan = decide(model, dict(inputs=ids, compile_config=config, **gen))
+    assert not found and plan.decision().decode_step == "compiled"
+    for decode, step in (("graph", "eager ops"), ("auto", "")):  # "auto" decodes on transformers' loop here
+        relay_hf.patch(model, min_prefix_length=8, decode=decode)
+        with _relay_warnings() as found:
+            model.generate(ids, **gen)
+        assert not found and model.relay_last_decision.decode_step == step, (decode, model.relay_last_decision)
+
+
 # -- calls the loop cannot serve ------------------------------------------------------------------------------------
 class _UserTopK(TopKLogitsWarper):
     """A user's own processor class (transformers' built-ins given by the user run stock generate)."""
@@ -470,6 +502,7 @@ def test_a_forward_that_fails_to_compile_decodes_eagerly_with_a_warning():
     assert model.relay_last_decision.fast_decode and torch.equal(eager, out)
     step = relay_state(model).idle_static().stepper
     assert not step.compiled and step.runner is model  # the regional view is dropped with the compiled region
+    assert step.kind == ("cuda graph" if model.device.type == "cuda" else "eager ops")
     with _relay_warnings() as found:  # the same settings replay the kept step: uncompiled, not compiled again
         out = model.generate(ids, attention_mask=mask, max_new_tokens=6, do_sample=False, compile_config=config)
     assert relay_state(model).idle_static().stepper is step and torch.equal(eager, out) and not found

@@ -16,6 +16,9 @@ loads the embedded model generates under its ~820-token system prompt, minutes o
 from __future__ import annotations
 
 import ast
+import contextlib
+import io
+import logging
 import re
 from pathlib import Path
 
@@ -30,6 +33,8 @@ FENCE = re.compile(r"^```.*?^```[ \t]*$", re.MULTILINE | re.DOTALL)
 LINK = re.compile(r"\]\(([^()\s]+)\)")
 HEADING = re.compile(r"^#+[ \t]+(.+?)[ \t]*$", re.MULTILINE)
 FRAGMENT = "# fragment:"
+# a printed line that reports nothing done: a bare zero ("0" finished, "0" relay steps) or a zero count of work
+NOTHING_DONE = re.compile(r"^\s*0+(\.0*)?\s*$|\b0 (of \d+ )?(requests?|answers?|tokens?|steps?)\b")
 
 
 def python_blocks(page: Path) -> list[tuple[int, str]]:
@@ -150,6 +155,64 @@ def smollm2_from_pretrained(request, monkeypatch):
     assert not relay_hf.is_patched(model)
 
 
+# Where transformers' errors go: the root logger, and the loggers that do not propagate to it: the library's own
+# (``transformers``, outside CI) and continuous batching's (``ContinuousBatchingLogger``, a top-level name).
+WATCHED_LOGGERS = ("", "transformers", "ContinuousBatchingLogger")
+
+
+class _ErrorRecords(logging.Handler):
+    """Keeps the ERROR records of the loggers it is added to (and of their children, from any thread), each once."""
+
+    def __init__(self):
+        super().__init__(logging.ERROR)
+        self.records: dict[int, logging.LogRecord] = {}
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.records[id(record)] = record
+
+
+def run_block(code: str, where: str, namespace: dict) -> None:
+    """Run one block in ``namespace``; fail on an exception, on an ERROR logged meanwhile (transformers' too), on a
+    printed line that reports nothing done (``NOTHING_DONE``).
+
+    Raising is not the only way a block fails: continuous batching (``generate_batch``) logs a request that failed,
+    or a generation thread that died, and returns what finished, possibly nothing, so such a block runs to its end
+    and prints a count of zero. The block's output is printed again, for the report of a failure."""
+    errors = _ErrorRecords()
+    loggers = [logging.getLogger(name) for name in WATCHED_LOGGERS]
+    for logger in loggers:
+        logger.addHandler(errors)
+    out = io.StringIO()
+    try:
+        with contextlib.redirect_stdout(out):
+            exec(compile(code, where, "exec"), namespace)
+    except Exception as err:
+        raise AssertionError(f"{where}: {type(err).__name__}: {err}") from err
+    finally:
+        for logger in loggers:
+            logger.removeHandler(errors)
+        print(out.getvalue(), end="")
+    logged = [f"{r.name}: {r.getMessage()}" for r in errors.records.values()]
+    assert not logged, f"{where}: logged errors: {logged}"
+    idle = [line for line in out.getvalue().splitlines() if NOTHING_DONE.search(line)]
+    assert not idle, f"{where}: the block printed that nothing was done: {idle}"
+
+
+def test_a_block_fails_on_a_logged_error_and_on_nothing_done_but_not_on_work_done():
+    """The checks ``run_block`` adds to "it raised", on blocks that take no time."""
+    namespace = {}
+    run_block("import logging\nlogging.getLogger('transformers.x').warning('w')\nprint('3 of 3 requests finished')",
+              "ok", namespace)
+    for name in ("transformers.generation", "ContinuousBatchingLogger", "some_library"):
+        with pytest.raises(AssertionError, match=f"logged errors.*{name}: Error during batch generation"):
+            run_block(f"logging.getLogger({name!r}).error('Error during batch generation')", "logs", namespace)
+    for printed in ("print(0)", "print('0 of 3 requests finished, 0 tokens')", "print(f'{0} tokens made')"):
+        with pytest.raises(AssertionError, match="nothing was done"):
+            run_block(printed, "idle", namespace)
+    with pytest.raises(AssertionError, match="ZeroDivisionError"):
+        run_block("1 / 0", "raises", namespace)
+
+
 @pytest.mark.parametrize("page", [_page_param(p) for p in RUNNABLE])
 def test_page_python_blocks_run_as_written(page, request, monkeypatch):
     monkeypatch.chdir(REPO)
@@ -157,10 +220,5 @@ def test_page_python_blocks_run_as_written(page, request, monkeypatch):
         request.getfixturevalue("smollm2_from_pretrained")
     namespace = {"__name__": f"docs_{page.stem}"}
     for line, code in python_blocks(page):
-        if is_fragment(code):
-            continue
-        try:
-            exec(compile(code, f"{page.relative_to(REPO)}:{line}", "exec"), namespace)
-        except Exception as err:
-            raise AssertionError(f"{page.relative_to(REPO)}, block at line {line}: {type(err).__name__}: {err}") \
-                from err
+        if not is_fragment(code):
+            run_block(code, f"{page.relative_to(REPO)}, block at line {line}", namespace)

@@ -10,6 +10,7 @@ import transformers
 import relay_hf
 from relay_hf._compat import cache_kwarg_name
 from relay_hf.policy import model_reason
+from relay_hf.state import relay_state
 from tests.helpers import VOCAB, grouped_batch, run_stock, shared_prefix_batch
 
 WINDOW = 8
@@ -115,6 +116,8 @@ def test_every_family_runs_relay_in_the_kernels_on_the_captured_loop_on_gpu(fami
         decision = model.relay_last_decision
         assert decision.used and decision.fast_decode, decision
         assert torch.equal(out, stock)
+        step = relay_state(model).idle_static().stepper
+        assert step.graph is not None, f"{family}: the decode step ran uncaptured ({step.state})"
 
 
 def test_sliding_layers_store_what_a_window_can_see_and_global_layers_all():

@@ -97,16 +97,107 @@ def _rescale_attention(m):  # a plain attribute the attention's forward reads
     m.model.layers[1].self_attn.scaling *= 1.3
 
 
-@pytest.mark.parametrize("change", [_load_other_weights, _edit_in_place, _write_through_data, _to_float64,
-                                    _optimizer_step, _steer, _rescale_attention])
+def _reinit_embedding_rows(m, prompt):
+    """New embedding rows for some of the prompt's tokens, through ``.data`` (no version counter moves), none of them
+    the table's first, middle or last row."""
+    table = m.model.embed_tokens.weight
+    rows = [int(t) for t in prompt[10:20] if 0 < int(t) < table.shape[0] - 1 and int(t) != table.shape[0] // 2]
+    assert rows
+    table.data[rows] = torch.randn(len(rows), table.shape[1], generator=torch.Generator().manual_seed(3))
+
+
+def _write_raw_storage(m):  # into the storage itself, past any tensor's version counter
+    weight = m.model.layers[0].mlp.down_proj.weight  # (layer 1's MLP feeds no KV of a two-layer model)
+    raw = torch.empty(0).set_(weight.untyped_storage()).view(weight.dtype)
+    raw[5:40] += 0.25
+
+
+def _replace_forward(m):  # activation steering by a forward replaced on the instance
+    mlp = m.model.layers[0].mlp
+    original = mlp.forward
+    mlp.forward = lambda x: original(x) + 0.5
+
+
+def _rescale_through_a_dict(m):  # a scale its forward reads from a dict attribute (as PEFT keeps LoRA scales)
+    mlp = m.model.layers[0].mlp
+    mlp.scales = {"default": 1.0}
+    original = type(mlp).forward
+    mlp.forward = lambda x: original(mlp, x) * mlp.scales["default"]
+    relay_hf.clear_prefixes(m)  # the replaced forward alone would be caught: only the dict changes below
+    m.generate(*batch(m.relay_test_prompt, 1)[:1], attention_mask=batch(m.relay_test_prompt, 1)[1], **GEN)
+    mlp.scales["default"] = 1.5
+
+
+CHANGES = [_load_other_weights, _edit_in_place, _write_through_data, _to_float64, _optimizer_step, _steer,
+           _rescale_attention, _reinit_embedding_rows, _write_raw_storage, _replace_forward, _rescale_through_a_dict]
+
+
+@pytest.mark.parametrize("change", CHANGES)
 def test_a_kept_prompt_is_dropped_when_what_its_kv_depends_on_changes(model, prompt, change):
     ids, mask = batch(prompt, 1)
     model.generate(ids, attention_mask=mask, **GEN)
-    change(model)
+    model.relay_test_prompt = prompt
+    change(model, prompt) if change is _reinit_embedding_rows else change(model)
     ids, mask = batch(prompt, 4, own=(2, 8, 5))
     out = model.generate(ids, attention_mask=mask, **GEN)
     assert model.relay_last_decision.used and model.relay_last_decision.prefix_kept == 0
     assert torch.equal(out, stock(model, ids, mask))
+
+
+@pytest.mark.parametrize("how", ["scale_layer", "rescale_adapter_scale"])
+def test_a_kept_prompt_is_dropped_when_a_lora_scale_changes(prompt, how):
+    """PEFT keeps LoRA scales in a dict; a scale changed after a call must not serve that call's kept prompt."""
+    peft = pytest.importorskip("peft")
+    m = tiny_model("llama", seed=1)
+    m = peft.inject_adapter_in_model(peft.LoraConfig(r=4, target_modules=["k_proj", "v_proj"],
+                                                      init_lora_weights=False), m)
+    relay_hf.patch(m)
+    ids, mask = batch(prompt, 1)
+    m.generate(ids, attention_mask=mask, **GEN)
+    ids, mask = batch(prompt, 4, own=(2, 8, 5))
+    lora = [mod for mod in m.modules() if isinstance(mod, peft.tuners.lora.LoraLayer)]
+    if how == "scale_layer":
+        for mod in lora:
+            mod.scale_layer(3.0)
+        out = m.generate(ids, attention_mask=mask, **GEN)
+    else:
+        with peft.helpers.rescale_adapter_scale(m, 3.0):
+            out = m.generate(ids, attention_mask=mask, **GEN)
+            expected = stock(m, ids, mask)
+    assert m.relay_last_decision.used and m.relay_last_decision.prefix_kept == 0
+    assert torch.equal(out, stock(m, ids, mask) if how == "scale_layer" else expected)
+    relay_hf.unpatch(m)
+
+
+def test_a_kept_prompt_still_serves_an_unchanged_model_and_a_stale_one_is_counted(model, prompt):
+    ids, mask = batch(prompt, 1)
+    model.generate(ids, attention_mask=mask, **GEN)
+    store = relay_state(model).store
+    for seed in (2, 3):
+        out = model.generate(*batch(prompt, seed)[:1], attention_mask=batch(prompt, seed)[1], **GEN)
+        assert model.relay_last_decision.prefix_kept == 48
+        assert torch.equal(out, stock(model, *batch(prompt, seed)))
+    assert store.stale == 0
+    _write_raw_storage(model)
+    model.generate(ids, attention_mask=mask, **GEN)
+    assert store.stale == 1 and model.relay_last_decision.prefix_kept == 0
+
+
+@pytest.mark.parametrize("prompts", [1, 3])
+def test_after_every_call_the_store_is_within_its_budget(prompt, prompts):
+    """A call whose own prefixes exceed the budget uses them, then keeps none of what does not fit."""
+    from tests.helpers import grouped_batch
+
+    m = tiny_model("llama", seed=1)
+    one = sum(k.nbytes + v.nbytes for k, v in ((lay.prefix_keys, lay.prefix_values)
+                                               for lay in relay_hf.RelayCache.from_prefix(m, prompt).layers))
+    relay_hf.patch(m, prefix_cache_bytes=one // 2)
+    store = relay_state(m).store
+    ids, mask = batch(prompt, 1) if prompts == 1 else grouped_batch(seed=2, prompts=(48, 40, 32))[:2]
+    out = m.generate(ids, attention_mask=mask, **GEN)
+    assert m.relay_last_decision.used and torch.equal(out, stock(m, ids, mask))
+    assert store.nbytes() <= store.budget_bytes
+    relay_hf.unpatch(m)
 
 
 def test_training_mode_keeps_nothing(model, prompt):

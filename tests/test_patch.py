@@ -6,6 +6,7 @@ import torch
 import relay_hf
 from relay_hf._compat import output_cache
 from relay_hf.names import ATTN_NAME
+from relay_hf.state import relay_state
 from tests.helpers import shared_prefix_batch, tiny_model
 
 
@@ -57,3 +58,26 @@ def test_what_is_not_a_model_is_refused_by_name(call, thing):
                                         f"{type(thing).__name__}"):
         call(thing)
     assert not relay_hf.is_patched(thing)
+
+
+@pytest.mark.gpu
+def test_a_second_model_of_a_head_size_compiles_no_kernel_again_on_gpu():
+    """The first patch of a head size compiles relay's Triton kernels (its probe runs them); another model of that
+    head size, and a patch after unpatch, compile nothing again in this process."""
+    import triton
+
+    compiled = []
+    knobs = triton.knobs.runtime
+    previous = knobs.jit_post_compile_hook
+    knobs.jit_post_compile_hook = lambda *args, **kwargs: compiled.append(1)
+    try:
+        first, second = (tiny_model("llama", seed=s, head_dim=80).cuda() for s in (0, 1))
+        relay_hf.patch(first)
+        assert relay_hf.is_patched(first) and relay_state(first).declined is None
+        compiled.clear()
+        relay_hf.patch(second)
+        relay_hf.unpatch(first)
+        relay_hf.patch(first)
+        assert compiled == []
+    finally:
+        knobs.jit_post_compile_hook = previous

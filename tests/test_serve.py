@@ -22,6 +22,8 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import torch
 
+import relay_hf
+
 pytest.importorskip("fastapi")
 pytest.importorskip("uvicorn")
 openai = pytest.importorskip("openai")
@@ -226,3 +228,53 @@ def test_bad_request_same_status(servers, concurrent, system_prompt, body):
     answers = [_chat(s, messages, stream=True) for s in servers]
     assert answers[0] and answers[0] == answers[1]
     assert all(request(s, "GET", "/health")[0] == 200 for s in servers)
+
+
+def test_help_lists_the_stats_route():
+    out = subprocess.run([sys.executable, "-m", "relay_hf", "serve", "--help"], capture_output=True, text=True,
+                         timeout=120, env={**os.environ, "COLUMNS": "200"})
+    assert out.returncode == 0, out.stderr
+    assert "/relay/stats" in out.stdout and "/v1/chat/completions" in out.stdout
+
+
+def test_a_server_relay_cannot_rebuild_fails_at_start(monkeypatch):
+    """Where models run in engine processes, a transformers whose server takes other parts than relay-hf serve
+    knows refuses to start (it would otherwise serve without relay's route or patch)."""
+    from relay_hf import _compat
+
+    if not _compat.serve_runs_engines():
+        pytest.skip("this transformers runs the model in the server's process")
+    from transformers.cli.serving import server
+
+    def build_server(model_manager, chat_handler, another_handler=None):
+        raise AssertionError("not reached")
+
+    monkeypatch.setattr(server, "build_server", build_server)
+    with pytest.raises(RuntimeError, match="does not know this transformers' server"):
+        _compat.run_engine_server(object(), None, None, lambda app, manager: None)
+
+
+class TinyLoader:
+    """A model loader as transformers serve's: a tiny random model and a stand-in processor."""
+
+    def load_model_and_processor(self, model_id, on_progress=None):
+        from tests.helpers import tiny_model
+
+        return tiny_model("llama"), f"processor of {model_id}"
+
+    def load_config(self, model_id):
+        return f"config of {model_id}"
+
+
+def test_the_loader_patches_what_it_loads_and_travels_to_an_engine_process():
+    """The wrapped loader survives pickling (an engine process is spawned with a copy) and patches every model it
+    loads; configs and processors come from the wrapped loader."""
+    import pickle
+
+    from relay_hf.serve import RelayLoader
+
+    loader = pickle.loads(pickle.dumps(RelayLoader(TinyLoader())))
+    model, processor = loader.load_model_and_processor("m")
+    assert relay_hf.is_patched(model) and processor == "processor of m"
+    assert loader.load_config("m") == "config of m"
+    relay_hf.unpatch(model)

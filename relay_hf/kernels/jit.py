@@ -67,7 +67,7 @@ _LN2 = tl.constexpr(LN2)
 _FAR = tl.constexpr(1 << 30)  # beyond every position: the neutral element of a min over rows
 
 # The runtime parameters of the two kernels, in order: a launch passes its arguments positionally in this order (the
-# C launcher of a compiled kernel takes nothing else), then the constexprs by keyword. tests/kernels pins these
+# C launcher of a compiled kernel takes nothing else), then the constexprs by keyword. tests/test_kernels pins these
 # against the signatures.
 PARTIALS_PARAMS = ("Q", "PK", "PV", "KD", "VD", "SK", "SV", "LENS", "END", "PO", "PLSE", "O", "ITEMS", "ROWS", "ROWP",
                    "SINKS", "q_st", "pk_st", "pv_st", "sk_st", "sv_st", "o_st", "dims", "scale_log2", "softcap",

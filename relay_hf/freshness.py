@@ -1,0 +1,163 @@
+"""The check a kept prefix passes on every hit: recomputed through the model as it is now, equal bit for bit to what
+was recorded when the prefix was prefilled (``SegmentCheck``).
+
+A kept segment's KV depends on (a) every parameter all tokens pass through (projections, norms, rotary tables:
+dense weights), (b) the embedding rows of its own tokens, (c) parameters only some tokens reach (experts of a sparse
+MoE, rows of a learned position table). The check covers each whatever way the model was changed (a write through
+``.data`` or raw storage included, which no version counter sees):
+
+(a) the KV of the prefix's first ``CHECK_TOKENS`` tokens, computed alone through the base model, at every layer;
+(b) the segment's token embeddings, each projected on a fixed vector (one fp32 value per token);
+(c) the integer sum of the raw bits of every such parameter.
+
+Recorded and recomputed by the same code on the same device, shapes and dtype, so an unchanged model gives the same
+bits (deterministic kernels at fixed shapes) and a changed one a different value; the comparison is exact. A false
+alarm would only cost a prefill. Cost on a hit: one forward of ``CHECK_TOKENS`` tokens through the decoder (the LM head
+skipped), one embedding lookup, and a read of (c)'s parameters where the model has any (docs/performance.md).
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from typing import NamedTuple
+
+import torch
+from transformers.cache_utils import DynamicCache
+
+from ._compat import cache_kwarg_name
+
+logger = logging.getLogger("relay_hf")
+
+# tokens at the start of a kept prefix recomputed at every hit: position 0 rotates nothing, position 1 exercises the
+# rotary table; more tokens only cost time (the weights are read once either way)
+CHECK_TOKENS = 2
+_PARTIAL = re.compile(r"Expert|Moe|MoE")  # module classes whose parameters only routed tokens reach
+_BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    to_local = getattr(t, "to_local", None)  # a tensor-parallel DTensor: this rank's shard
+    return (t if to_local is None else to_local()).detach()
+
+
+def partial_reach(model: torch.nn.Module) -> list[torch.Tensor]:
+    """The parameters only some tokens reach: those of modules whose class names experts (``...Experts``,
+    ``...SparseMoeBlock``), stacked ones of 3+ dims, and embedding tables besides the input embeddings (learned
+    position tables). Empty for a dense model."""
+    inputs = model.get_input_embeddings()
+    found: dict[int, torch.Tensor] = {}
+    for module in model.modules():
+        if _PARTIAL.search(type(module).__name__) or (isinstance(module, torch.nn.Embedding) and module is not inputs):
+            found.update((id(p), p) for p in module.parameters())
+    found.update((id(p), p) for p in model.parameters() if p.dim() >= 3)
+    return list(found.values())
+
+
+def bit_sums(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """``[n]`` int64: per tensor the exact sum of its elements' raw bits (any changed element changes it, unless
+    another change cancels it exactly)."""
+    if not tensors:
+        return torch.zeros(0, dtype=torch.int64)
+    sums = [_local(t).view(_BITS[t.element_size()]).sum(dtype=torch.int64) for t in tensors]
+    return torch.stack([s.to(sums[0].device) for s in sums])
+
+
+def _embedded(model, ids: torch.Tensor) -> torch.Tensor:
+    """``[n]`` fp32: the token embeddings of ``ids`` (``[n]``), each projected on a fixed vector."""
+    emb = model.get_input_embeddings()(ids[None].to(model.device))[0].float()  # [n, H]
+    probe = torch.linspace(1.0, 2.0, emb.shape[-1], device=emb.device)  # distinct weights: a swap within a row shows
+    return emb @ probe
+
+
+@torch.no_grad()
+def _head_kv(model, head: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Per layer, the keys / values ``[1, H_kv, n, D]`` of ``head`` (``[n]`` ids) from position 0, computed alone."""
+    scratch = DynamicCache()
+    model.base_model(input_ids=head[None].to(model.device), use_cache=True, **{cache_kwarg_name(model): scratch})
+    return [(layer.keys, layer.values) for layer in scratch.layers]
+
+
+class _Replay:
+    """``_head_kv`` captured as a CUDA graph on its first replay (an eager forward of a few tokens through every layer
+    is host-bound: ~25 ms on a 32-layer model on an H200, the replay reads the weights at memory speed). It reads the
+    parameters' storage as it is at each replay (a write in place is seen); parameters, modules, hooks or plain values
+    replaced change ``store.kv_dependencies``, which drops the entry, and its graph with it. Capture fails: eager."""
+
+    def __init__(self):
+        self.graph = self.kv = self.ids = None
+        self.eager = False
+
+    def __call__(self, model, head: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        if self.eager or model.device.type != "cuda":
+            return _head_kv(model, head)
+        if self.graph is None:
+            self.ids = head.to(model.device)  # the graph's input, kept alive with it (no copy while capturing)
+            try:
+                side = torch.cuda.Stream()
+                side.wait_stream(torch.cuda.current_stream())
+                with torch.cuda.stream(side):
+                    _head_kv(model, self.ids)  # warm-up, off the capture
+                torch.cuda.current_stream().wait_stream(side)
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph):
+                    kv = _head_kv(model, self.ids)
+            except Exception as err:  # noqa: BLE001 - any capture failure: the eager forward is the same check
+                logger.debug("relay_hf: the kept-prefix check runs eagerly: its capture failed: %s", err)
+                self.eager = True
+                return _head_kv(model, head)
+            self.graph, self.kv = graph, kv
+        self.graph.replay()
+        return self.kv
+
+
+class SegmentCheck(NamedTuple):
+    """What a kept segment is checked against on a hit.
+
+    Attributes:
+        head: per layer, keys / values ``[1, H_kv, CHECK_TOKENS, D]`` of the first tokens of the segment's full
+            prefix (from position 0), computed alone.
+        embedded: ``[n]`` fp32 the segment's own token embeddings, projected (``_embedded``).
+        partial: ``[m]`` int64 ``bit_sums(partial_reach(model))``.
+        replay: how a hit recomputes ``head`` (``_Replay``: a CUDA graph on CUDA).
+    """
+
+    head: list[tuple[torch.Tensor, torch.Tensor]]
+    embedded: torch.Tensor
+    partial: torch.Tensor
+    replay: _Replay
+
+    @classmethod
+    @torch.no_grad()
+    def record(cls, model, full_ids: torch.Tensor, own_ids: torch.Tensor, memo: dict | None = None) -> SegmentCheck:
+        """The check of a segment whose full prefix is ``full_ids`` (``[P]``) and own tokens ``own_ids`` (``[n]``),
+        through ``model`` as it is now. ``memo``: values shared by the segments of one call (the same head, the same
+        partial sums), computed once."""
+        memo = {} if memo is None else memo
+        head = full_ids[:CHECK_TOKENS]
+        key = ("head", head.numpy().tobytes())
+        if key not in memo:  # recorded by the replay a hit runs: the same kernels, the same bits
+            replay = _Replay()
+            memo[key] = [(k.clone(), v.clone()) for k, v in replay(model, head)], replay
+        if "partial" not in memo:
+            memo["partial"] = bit_sums(partial_reach(model))
+        return cls(*memo[key][:1], _embedded(model, own_ids), memo["partial"], memo[key][1])
+
+    @torch.no_grad()
+    def holds(self, model, full_ids: torch.Tensor, own_ids: torch.Tensor, memo: dict | None = None) -> bool:
+        """Whether ``model`` as it is now gives this check's values, bit for bit."""
+        memo = {} if memo is None else memo
+        if "partial" not in memo:
+            memo["partial"] = bit_sums(partial_reach(model))
+        head = self.replay(model, full_ids[:CHECK_TOKENS])
+        if len(head) != len(self.head):
+            return False
+        pairs = [(self.embedded, _embedded(model, own_ids)), (self.partial, memo["partial"])]
+        pairs += [(a, b) for was, new in zip(self.head, head) for a, b in zip(was, new)]
+        if any(a.shape != b.shape or a.dtype != b.dtype for a, b in pairs):
+            return False
+        differs = [(a != b.to(a.device)).any() for a, b in pairs]  # NaN differs from itself: a false alarm at worst
+        return not bool(torch.stack([d.to(differs[0].device) for d in differs]).any())  # one device read
+
+    def nbytes(self) -> int:
+        return sum(k.nbytes + v.nbytes for k, v in self.head) + self.embedded.nbytes + self.partial.nbytes

@@ -1,0 +1,94 @@
+"""relay_hf.freshness: a kept segment's check holds for the unchanged model and fails after any change that alters
+its KV, wherever the change lands and however it is made (no version counter moves for any change here)."""
+
+import pytest
+import torch
+
+from relay_hf.freshness import CHECK_TOKENS, SegmentCheck, bit_sums, partial_reach
+from tests.helpers import VOCAB, tiny_model
+
+IDS = torch.randint(3, VOCAB, (24,), generator=torch.Generator().manual_seed(0))
+
+
+def _record(model, ids=IDS):
+    return SegmentCheck.record(model, ids, ids[CHECK_TOKENS:])
+
+
+def _data_write_in_last_layer(m):  # the KV of the last layer only
+    m.model.layers[-1].self_attn.k_proj.weight.data[3] += 0.1
+
+
+def _embedding_row_of_a_later_token(m):  # a token the recomputed head does not contain
+    row = int(IDS[-1])
+    assert row not in IDS[:CHECK_TOKENS].tolist()
+    m.model.embed_tokens.weight.data[row] *= 1.01
+
+
+def _rotary_frequencies(m):
+    m.model.rotary_emb.inv_freq.data[1] *= 1.1
+
+
+def _norm_weight(m):
+    m.model.layers[0].input_layernorm.weight.data[0] = 2.0
+
+
+CHANGES = [_data_write_in_last_layer, _embedding_row_of_a_later_token, _rotary_frequencies, _norm_weight]
+
+
+def test_an_unchanged_model_passes_its_check():
+    model = tiny_model("llama")
+    check = _record(model)
+    with torch.no_grad():
+        model(IDS[None])  # reading the model changes nothing
+    assert check.holds(model, IDS, IDS[CHECK_TOKENS:])
+
+
+@pytest.mark.parametrize("change", CHANGES, ids=lambda f: f.__name__.strip("_"))
+def test_a_change_anywhere_fails_the_check(change):
+    model = tiny_model("llama")
+    check = _record(model)
+    versions = [p._version for p in model.parameters()]
+    change(model)
+    assert [p._version for p in model.parameters()] == versions  # no counter saw it
+    assert not check.holds(model, IDS, IDS[CHECK_TOKENS:])
+
+
+def test_experts_the_head_tokens_are_not_routed_to_are_read_in_full():
+    from tests.helpers import tiny_model_of_type
+
+    model = tiny_model_of_type("mixtral")
+    found = partial_reach(model)
+    expert_params = {id(p) for n, p in model.named_parameters() if "experts" in n}
+    assert expert_params and expert_params <= {id(p) for p in found}
+    ids = torch.randint(3, model.config.vocab_size, (12,), generator=torch.Generator().manual_seed(1))
+    check = SegmentCheck.record(model, ids, ids)
+    last = [p for n, p in model.named_parameters() if "experts" in n][-1]
+    last.data.view(-1)[-1] += 1.0  # whichever expert it is, the check sees it
+    assert not check.holds(model, ids, ids)
+
+
+def test_a_learned_position_table_is_read_in_full():
+    from tests.helpers import tiny_model_of_type
+
+    model = tiny_model_of_type("gpt2")
+    table = model.transformer.wpe.weight
+    assert any(p is table for p in partial_reach(model))
+    assert all(p is not model.transformer.wte.weight for p in partial_reach(model))  # the input embeddings are not
+
+
+def test_bit_sums_see_a_swap_and_a_sign_change():
+    t = torch.tensor([1.0, -2.0, 3.0])
+    assert not torch.equal(bit_sums([t]), bit_sums([t.neg()]))
+    assert bit_sums([]).numel() == 0
+    assert torch.equal(bit_sums([t.to(torch.bfloat16)]), bit_sums([t.to(torch.bfloat16).clone()]))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("change", CHANGES, ids=lambda f: f.__name__.strip("_"))
+def test_on_cuda_the_check_replays_a_graph_that_sees_every_change_on_gpu(change):
+    model = tiny_model("llama").cuda()
+    check = _record(model)
+    assert check.holds(model, IDS, IDS[CHECK_TOKENS:]) and check.holds(model, IDS, IDS[CHECK_TOKENS:])
+    assert check.replay.graph is not None and not check.replay.eager  # captured, replayed
+    change(model)
+    assert not check.holds(model, IDS, IDS[CHECK_TOKENS:])

@@ -18,6 +18,7 @@ skipped), one embedding lookup, and a read of (c)'s parameters where the model h
 
 from __future__ import annotations
 
+import functools
 import logging
 import re
 from typing import NamedTuple
@@ -41,14 +42,25 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return (t if to_local is None else to_local()).detach()
 
 
+def reached_partly(module: torch.nn.Module, inputs: torch.nn.Module | None) -> bool:
+    """Whether only some tokens reach ``module``'s parameters: a module whose class names experts (``...Experts``,
+    ``...SparseMoeBlock``), or an embedding table besides the input embeddings ``inputs`` (a learned position
+    table). Stacked parameters of 3+ dims count too (``partial_reach``)."""
+    return _partial_class(type(module)) or (isinstance(module, torch.nn.Embedding) and module is not inputs)
+
+
+@functools.cache
+def _partial_class(cls: type) -> bool:
+    return bool(_PARTIAL.search(cls.__name__))
+
+
 def partial_reach(model: torch.nn.Module) -> list[torch.Tensor]:
-    """The parameters only some tokens reach: those of modules whose class names experts (``...Experts``,
-    ``...SparseMoeBlock``), stacked ones of 3+ dims, and embedding tables besides the input embeddings (learned
-    position tables). Empty for a dense model."""
+    """The parameters only some tokens reach (``reached_partly``, and parameters of 3+ dims). Empty for a dense
+    model."""
     inputs = model.get_input_embeddings()
     found: dict[int, torch.Tensor] = {}
     for module in model.modules():
-        if _PARTIAL.search(type(module).__name__) or (isinstance(module, torch.nn.Embedding) and module is not inputs):
+        if reached_partly(module, inputs):
             found.update((id(p), p) for p in module.parameters())
     found.update((id(p), p) for p in model.parameters() if p.dim() >= 3)
     return list(found.values())
@@ -71,11 +83,12 @@ def _embedded(model, ids: torch.Tensor) -> torch.Tensor:
 
 
 @torch.no_grad()
-def _head_kv(model, head: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """Per layer, the keys / values ``[1, H_kv, n, D]`` of ``head`` (``[n]`` ids) from position 0, computed alone."""
+def _head_kv(model, head: torch.Tensor) -> torch.Tensor:
+    """``[layers * 2 * H_kv * n * D]``: every layer's keys and values of ``head`` (``[n]`` ids) from position 0,
+    computed alone, flattened into one tensor (one comparison reads them all)."""
     scratch = DynamicCache()
     model.base_model(input_ids=head[None].to(model.device), use_cache=True, **{cache_kwarg_name(model): scratch})
-    return [(layer.keys, layer.values) for layer in scratch.layers]
+    return torch.cat([t.reshape(-1) for layer in scratch.layers for t in (layer.keys, layer.values)])
 
 
 class _Replay:
@@ -88,7 +101,7 @@ class _Replay:
         self.graph = self.kv = self.ids = None
         self.eager = False
 
-    def __call__(self, model, head: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    def __call__(self, model, head: torch.Tensor) -> torch.Tensor:
         if self.eager or model.device.type != "cuda":
             return _head_kv(model, head)
         if self.graph is None:
@@ -111,18 +124,27 @@ class _Replay:
         return self.kv
 
 
+def _partial(model, memo: dict) -> torch.Tensor:
+    """``bit_sums`` of the parameters only some tokens reach, once per call: of ``memo["partial_params"]`` where the
+    caller found them already (``store.kv_dependencies`` does, in its walk of the modules), else found here."""
+    if "partial" not in memo:
+        params = memo.get("partial_params")
+        memo["partial"] = bit_sums(partial_reach(model) if params is None else params)
+    return memo["partial"]
+
+
 class SegmentCheck(NamedTuple):
     """What a kept segment is checked against on a hit.
 
     Attributes:
-        head: per layer, keys / values ``[1, H_kv, CHECK_TOKENS, D]`` of the first tokens of the segment's full
-            prefix (from position 0), computed alone.
+        head: every layer's keys and values of the first ``CHECK_TOKENS`` tokens of the segment's full prefix (from
+            position 0), computed alone, flattened (``_head_kv``).
         embedded: ``[n]`` fp32 the segment's own token embeddings, projected (``_embedded``).
         partial: ``[m]`` int64 ``bit_sums(partial_reach(model))``.
         replay: how a hit recomputes ``head`` (``_Replay``: a CUDA graph on CUDA).
     """
 
-    head: list[tuple[torch.Tensor, torch.Tensor]]
+    head: torch.Tensor
     embedded: torch.Tensor
     partial: torch.Tensor
     replay: _Replay
@@ -138,26 +160,16 @@ class SegmentCheck(NamedTuple):
         key = ("head", head.numpy().tobytes())
         if key not in memo:  # recorded by the replay a hit runs: the same kernels, the same bits
             replay = _Replay()
-            memo[key] = [(k.clone(), v.clone()) for k, v in replay(model, head)], replay
-        if "partial" not in memo:
-            memo["partial"] = bit_sums(partial_reach(model))
-        return cls(*memo[key][:1], _embedded(model, own_ids), memo["partial"], memo[key][1])
+            memo[key] = replay(model, head).clone(), replay
+        return cls(memo[key][0], _embedded(model, own_ids), _partial(model, memo), memo[key][1])
 
     @torch.no_grad()
     def holds(self, model, full_ids: torch.Tensor, own_ids: torch.Tensor, memo: dict | None = None) -> bool:
         """Whether ``model`` as it is now gives this check's values, bit for bit."""
         memo = {} if memo is None else memo
-        if "partial" not in memo:
-            memo["partial"] = bit_sums(partial_reach(model))
         head = self.replay(model, full_ids[:CHECK_TOKENS])
-        if len(head) != len(self.head):
-            return False
-        pairs = [(self.embedded, _embedded(model, own_ids)), (self.partial, memo["partial"])]
-        pairs += [(a, b) for was, new in zip(self.head, head) for a, b in zip(was, new)]
-        if any(a.shape != b.shape or a.dtype != b.dtype for a, b in pairs):
-            return False
-        differs = [(a != b.to(a.device)).any() for a, b in pairs]  # NaN differs from itself: a false alarm at worst
-        return not bool(torch.stack([d.to(differs[0].device) for d in differs]).any())  # one device read
+        pairs = [(self.head, head), (self.embedded, _embedded(model, own_ids)), (self.partial, _partial(model, memo))]
+        return all(a.shape == b.shape and a.dtype == b.dtype and torch.equal(a, b.to(a.device)) for a, b in pairs)
 
     def nbytes(self) -> int:
-        return sum(k.nbytes + v.nbytes for k, v in self.head) + self.embedded.nbytes + self.partial.nbytes
+        return self.head.nbytes + self.embedded.nbytes + self.partial.nbytes

@@ -179,7 +179,8 @@ def _run_relay(model, stock, call: dict, plan: Plan):
 
 
 def _run_relay_on(model, stock, call: dict, plan: Plan, layout, base: RelayCache, kept: int):
-    """The relay call on ``base``, the prefix cache (``kept``: its tokens taken from the store)."""
+    """The relay call on ``base``, the prefix cache (``kept``: its tokens taken from the store). Returns the output,
+    ``kept`` and, on relay_hf's loop, how its step ran in the end (``DecodeStep.kind``), else ``None``."""
     per_input = plan.rows // plan.ids.shape[0]  # beams / return sequences
     pads = layout.suffix_padding.to(torch.int32).repeat_interleave(per_input)  # [R]
     paths = [p for p in plan.grouping.paths for _ in range(per_input)] if plan.grouped else None
@@ -199,7 +200,8 @@ def _run_relay_on(model, stock, call: dict, plan: Plan, layout, base: RelayCache
                 out = fast_generate(model, layout.ids, layout.mask, plan.ids, slot, plan.sampler,
                                     None if streamer is None else _StreamerView(streamer, layout),
                                     plan.compile_config, plan.new_tokens, rows_per_input=per_input, stop=stop)
-            return layout.to_stock(out), kept
+            step_kind = slot.stepper.kind  # after the call: a compile or capture that failed moved it down
+            return layout.to_stock(out), kept, step_kind
         call = {k: v for k, v in call.items() if k not in ("inputs", "input_ids", *CACHE_NAMES)}
         if plan.gen.cache_implementation is not None:  # from the call, its config or the model's: ours is the cache
             call["cache_implementation"] = None
@@ -214,9 +216,9 @@ def _run_relay_on(model, stock, call: dict, plan: Plan, layout, base: RelayCache
         if slot is not None and (out is None or output_cache(out) is not slot.cache):
             model._relay_state.give_back_static(slot)
     if isinstance(out, torch.Tensor):
-        return layout.to_stock(out), kept
+        return layout.to_stock(out), kept, None
     out.sequences = layout.to_stock(out.sequences)
-    return out, kept
+    return out, kept, None
 
 
 def relay_generate(model, *args, **kwargs):
@@ -241,13 +243,14 @@ def relay_generate(model, *args, **kwargs):
     logger.debug("relay_hf: relay generate, prefix %d tokens, %d rows, groups %s", plan.prefix_length, plan.rows,
                  decision.groups)
     try:
-        out, kept = _run_relay(model, stock, call, plan)
+        out, kept, step = _run_relay(model, stock, call, plan)
     except BaseException as err:
         model.relay_last_decision = RelayDecision(False, f"relay run failed: {type(err).__name__}: {err}",
                                                   plan.prefix_length, plan.rows, plan.static,
                                                   groups=decision.groups)
         raise
-    model.relay_last_decision = dataclasses.replace(decision, prefix_kept=kept)
+    model.relay_last_decision = dataclasses.replace(decision, prefix_kept=kept,
+                                                    decode_step=step if step is not None else decision.decode_step)
     _count(model, plan, out, kept)
     return out
 

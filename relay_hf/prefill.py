@@ -109,7 +109,8 @@ def prefill_tree(model, tree: PrefixTree, store=None, depends=None) -> Prefilled
         # its own positions, compact (a child's slice would keep the copied ancestors alive)
         return [(k[:, :, skip:].contiguous(), v[:, :, skip:].contiguous()) for k, v in _kv(scratch)]
 
-    memo: dict = {}  # the checks' values through the model as it is now, shared by this call's segments
+    # the checks' values through the model as it is now, shared by this call's segments
+    memo: dict = {"partial_params": getattr(depends, "partial", None)}
 
     def build(j: int) -> KeptSegment:
         return KeptSegment(prefill(j), SegmentCheck.record(model, tree.full_ids(j), tree.ids[j], memo))

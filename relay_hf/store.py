@@ -4,11 +4,11 @@ A prefix's KV is a function of its token ids and of the model as it is at prefil
 kept prefix and a model that has changed since (docs/api.md, "Kept prefixes", states the guarantee):
 
 - ``kv_dependencies(model)``, read once per call: the model's structure as one comparable value: each parameter's and
-  buffer's identity, address, dtype, device, shape and version counter (an in-place write through autograd, an
-  optimizer step, ``load_state_dict``, ``model.to``), each module's type, training flag, adapter switches, hooks,
-  forward replaced on the instance, plain values and dicts of plain values (a rotary ``attention_scaling``, PEFT's
-  ``scaling`` dict), torch's global hooks and the attention implementation. The store drops every entry built under
-  another value before it answers.
+  buffer's identity, address, dtype, device and shape, each parameter's version counter (an in-place write through
+  autograd, an optimizer step, ``load_state_dict``, ``model.to``), each module's type, training flag, adapter
+  switches, hooks, forward replaced on the instance, plain values and dicts of plain values (a rotary
+  ``attention_scaling``, PEFT's ``scaling`` dict), torch's global hooks and the attention implementation. The store
+  drops every entry built under another value before it answers.
 - on every hit, the entry's own check (``freshness.SegmentCheck``): what it recomputes through the model as it is now
   must equal, bit for bit, what it recorded when the entry was built. That catches what no counter sees (a write
   through ``.data``, into raw storage), wherever in the model it lands.
@@ -21,12 +21,15 @@ a running call holds.
 
 from __future__ import annotations
 
+import functools
 import threading
 from collections import OrderedDict
 from collections.abc import Callable, Hashable, Iterable
 from contextlib import contextmanager
 
 import torch
+
+from .freshness import reached_partly
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -35,18 +38,29 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return t if to_local is None else to_local()
 
 
-def _weights_signature(model: torch.nn.Module) -> tuple:
-    """Per parameter and buffer: its name, identity, address, dtype, device, shape and version counter (a tensor's
-    ``_version`` goes up at every in-place write made through it: optimizer steps, ``load_state_dict``,
-    ``torch.no_grad()`` edits). Host metadata only: no device read."""
+def _tensors_signature(path: str, m: torch.nn.Module, seen: set, partial: dict) -> list:
+    """Per parameter of ``m`` (not seen before): its name, identity, address, dtype, device, shape and version
+    counter (a tensor's ``_version`` goes up at every in-place write made through it: optimizer steps,
+    ``load_state_dict``, ``torch.no_grad()`` edits); per buffer the same but its version (a rotary table the model
+    rewrites at each forward, as dynamic and longrope embeddings do, would drop every kept prefix; a hit's check reads
+    what buffers hold). Host metadata only: no device read. Stacked parameters (3+ dims: experts) go into
+    ``partial``."""
     out = []
-    for name, t in (*model.named_parameters(), *model.named_buffers()):
-        local = _local(t)
-        out.append((name, id(t), local.data_ptr(), t.dtype, t.device, local._version, tuple(t.shape)))
-    return tuple(out)
+    for kind, tensors in ((0, m._parameters), (1, m._buffers)):
+        for name, t in tensors.items():
+            if t is None or id(t) in seen:
+                continue
+            seen.add(id(t))
+            local = _local(t)
+            out.append((path, name, id(t), local.data_ptr(), t.dtype, t.device, tuple(t.shape),
+                        None if kind else local._version))
+            if not kind and t.dim() >= 3:
+                partial[id(t)] = t
+    return out
 
 
-_SCALARS = (bool, int, float, str, type(None))
+_SCALARS = frozenset((bool, int, float, str, type(None)))  # exact types: no ``__class__`` lookups on other values
+_ADAPTER_SWITCHES = ("_disable_adapters", "_active_adapter", "merged_adapters")
 
 
 def _hooks(hooks: dict) -> tuple:
@@ -56,41 +70,83 @@ def _hooks(hooks: dict) -> tuple:
 def _plain(value) -> bool:
     """A value a forward may read that the signature can hold: a scalar, or a dict of scalars (PEFT's per-adapter
     ``scaling``)."""
-    if isinstance(value, _SCALARS):
+    kind = type(value)
+    if kind in _SCALARS:
         return True
-    return isinstance(value, dict) and len(value) <= 64 and all(isinstance(v, _SCALARS) for v in value.values())
+    return kind is dict and len(value) <= 64 and all(type(v) in _SCALARS for v in value.values())
 
 
-def _modules_signature(model: torch.nn.Module) -> tuple:
-    """Per module: its type, training flag, adapter switches (PEFT's ``disable_adapters`` / ``active_adapters`` /
-    ``merged_adapters``, where a module has them), the forward hooks on it (activation steering changes the KV), a
-    ``forward`` replaced on the instance, and the plain values its forward may read (``scaling``, a rotary
-    ``attention_scaling``, a dict of adapter scales...); and torch's global forward hooks."""
-    out = []
-    for name, m in model.named_modules():
-        adapters = tuple(str(getattr(m, a, None)) for a in ("_disable_adapters", "_active_adapter", "merged_adapters")
-                         if hasattr(m, a))
-        plain = tuple((k, tuple(sorted(v.items(), key=repr)) if isinstance(v, dict) else v)
-                      for k, v in vars(m).items()
-                      if not k.startswith(("_", "relay_")) and _plain(v))  # relay_hf's own: not read
-        forward = m.__dict__.get("forward")
+@functools.cache
+def _class_switches(cls: type) -> tuple[str, ...]:
+    """The adapter switches ``cls`` declares (PEFT's tuner layers declare them on the class)."""
+    return tuple(a for a in _ADAPTER_SWITCHES if hasattr(cls, a))
+
+
+def _modules(model: torch.nn.Module):
+    """``(path, module)`` for every module once, parents first (``named_modules``' order without its nested
+    generators: the walk runs at every call)."""
+    seen, stack = set(), [("", model)]
+    while stack:
+        path, m = stack.pop()
+        if id(m) in seen:
+            continue
+        seen.add(id(m))
+        yield path, m
+        stack.extend((f"{path}.{k}" if path else k, c) for k, c in reversed(m._modules.items()) if c is not None)
+
+
+def _modules_signature(model: torch.nn.Module, partial: dict) -> tuple:
+    """In one walk, the parameters and buffers (``_tensors_signature``) and per module: its type, training flag,
+    adapter switches (PEFT's ``disable_adapters`` / ``active_adapters`` / ``merged_adapters``, where a module has
+    them), the forward hooks on it (activation steering changes the KV), a ``forward`` replaced on the instance, and
+    the plain values its forward may read (``scaling``, a rotary ``attention_scaling``, a dict of adapter scales...);
+    and torch's global forward hooks. The parameters of modules only some tokens reach (``freshness.reached_partly``)
+    go into ``partial``."""
+    out, tensors, seen = [], [], set()
+    inputs = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    for name, m in _modules(model):
+        tensors += _tensors_signature(name, m, seen, partial)
+        if reached_partly(m, inputs):
+            partial.update((id(p), p) for p in m.parameters())
+        own = m.__dict__
+        switches = [a for a in _class_switches(type(m)) if a not in own] + [a for a in _ADAPTER_SWITCHES if a in own]
+        adapters = tuple(str(getattr(m, a, None)) for a in switches)
+        plain = tuple((k, tuple(sorted(v.items(), key=repr)) if type(v) is dict else v)
+                      for k, v in own.items()
+                      if k[0] != "_" and not k.startswith("relay_") and _plain(v))  # relay_hf's own: not read
+        forward = own.get("forward")
         out.append((name, type(m), m.training, adapters, _hooks(m._forward_hooks), _hooks(m._forward_pre_hooks),
                     plain, None if forward is None else id(forward)))
     from torch.nn.modules import module as torch_module
 
     out.append((_hooks(torch_module._global_forward_hooks), _hooks(torch_module._global_forward_pre_hooks)))
-    return tuple(out)
+    return tuple(out), tuple(tensors)
 
 
-def kv_dependencies(model: torch.nn.Module) -> tuple:
+class Dependencies:
+    """What ``kv_dependencies`` returns: compared (``==``) by ``signature`` alone, the model's structure as one
+    value; ``partial`` carries the parameters only some tokens reach, found in the same walk, for a hit's check."""
+
+    __slots__ = ("signature", "partial")
+    __hash__ = None
+
+    def __init__(self, signature: tuple, partial: list[torch.Tensor]):
+        self.signature, self.partial = signature, partial
+
+    def __eq__(self, other) -> bool:
+        return isinstance(other, Dependencies) and self.signature == other.signature
+
+
+def kv_dependencies(model: torch.nn.Module) -> Dependencies:
     """Everything about ``model``'s structure a prefix's KV computed by it now depends on besides its tokens, as one
     comparable value (one pass over the parameters and modules, no device read). What it cannot see (a write that
     bypasses version counters) each kept entry's check catches on a hit (module docstring)."""
     from ._compat import attn_implementation
 
     config = getattr(model, "config", None)
-    return (attn_implementation(config) if config is not None else None, _weights_signature(model),
-            _modules_signature(model))
+    partial: dict[int, torch.Tensor] = {}
+    signature = (attn_implementation(config) if config is not None else None, _modules_signature(model, partial))
+    return Dependencies(signature, list(partial.values()))
 
 
 def checked_budget(value) -> int:

@@ -136,3 +136,12 @@ def test_plot_draws_both_figures_from_the_published_data(tmp_path):
     assert all(p.stat().st_size > 10_000 for p in written)
     points = plot.kernel_points(common.read_rows(common.DATA / "kernel.csv"))
     assert all(p["speedup"] == p["sdpa_us"] / p["relay_us"] for p in points)
+
+
+def test_kept_check_cpu_smoke_run_prints_the_call_and_the_check(capsys, one_thread):
+    from benchmarks import kept_check
+
+    kept_check.main(["--model-shape", "tiny", "--device", "cpu", "--dtype", "float32", "--prefix-len", "32",
+                     "--batch", "2", "--user-len", "4", "--new-tokens", "3", "--reps", "1"])
+    out = capsys.readouterr().out
+    assert "generate under the kept prompt:" in out and "% of the call)" in out and "the structure" in out

@@ -3,7 +3,7 @@ was recorded when the prefix was prefilled (``SegmentCheck``).
 
 A kept segment's KV depends on (a) every parameter all tokens pass through (projections, norms, rotary tables:
 dense weights), (b) the embedding rows of its own tokens, (c) parameters only some tokens reach (experts of a sparse
-MoE, rows of a learned position table). The check covers each whatever way the model was changed (a write through
+MoE, rows of a learned position table). The check looks at each, whatever way the model was changed (a write through
 ``.data`` or raw storage included, which no version counter sees):
 
 (a) the KV of the prefix's first ``CHECK_TOKENS`` tokens, computed alone through the base model, at every layer;
@@ -11,7 +11,9 @@ MoE, rows of a learned position table). The check covers each whatever way the m
 (c) the integer sum of the raw bits of every such parameter.
 
 Recorded and recomputed by the same code on the same device, shapes and dtype, so an unchanged model gives the same
-bits (deterministic kernels at fixed shapes) and a changed one a different value; the comparison is exact. A false
+bits (deterministic kernels at fixed shapes); the comparison is exact. Not seen: a change that leaves (a)'s tokens'
+KV bit for bit as it was (a neuron they never activate, a change that rounds away for them) or that permutes values
+within (c) (docs/api.md, "Kept prefixes"). A false
 alarm would only cost a prefill. Cost on a hit: one forward of ``CHECK_TOKENS`` tokens through the decoder (the LM head
 skipped), one embedding lookup, and a read of (c)'s parameters where the model has any (docs/performance.md).
 """
@@ -30,9 +32,10 @@ from ._compat import cache_kwarg_name
 
 logger = logging.getLogger("relay_hf")
 
-# tokens at the start of a kept prefix recomputed at every hit: position 0 rotates nothing, position 1 exercises the
-# rotary table; more tokens only cost time (the weights are read once either way)
-CHECK_TOKENS = 2
+# tokens at the start of a kept prefix recomputed at every hit: position 0 rotates nothing, the others exercise the
+# rotary table; more tokens catch more of the changes that leave a few tokens' KV bit-identical (a neuron they never
+# activate, a change that rounds away for them) at little cost on a GPU, where the weights are read once either way
+CHECK_TOKENS = 8
 _PARTIAL = re.compile(r"Expert|Moe|MoE")  # module classes whose parameters only routed tokens reach
 _BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
@@ -107,20 +110,24 @@ class _Replay:
         if self.graph is None:
             self.ids = head.to(model.device)  # the graph's input, kept alive with it (no copy while capturing)
             try:
-                side = torch.cuda.Stream()
-                side.wait_stream(torch.cuda.current_stream())
-                with torch.cuda.stream(side):
-                    _head_kv(model, self.ids)  # warm-up, off the capture
-                torch.cuda.current_stream().wait_stream(side)
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph):
-                    kv = _head_kv(model, self.ids)
+                with torch.cuda.device(model.device):  # the model's device, whichever is current
+                    side = torch.cuda.Stream()
+                    side.wait_stream(torch.cuda.current_stream())
+                    with torch.cuda.stream(side):
+                        _head_kv(model, self.ids)  # warm-up, off the capture
+                    torch.cuda.current_stream().wait_stream(side)
+                    graph = torch.cuda.CUDAGraph()
+                    # thread_local: another thread's work on the device (a decode step) is neither broken by this
+                    # capture nor refused while it runs
+                    with torch.cuda.graph(graph, capture_error_mode="thread_local"):
+                        kv = _head_kv(model, self.ids)
             except Exception as err:  # noqa: BLE001 - any capture failure: the eager forward is the same check
                 logger.debug("relay_hf: the kept-prefix check runs eagerly: its capture failed: %s", err)
                 self.eager = True
                 return _head_kv(model, head)
             self.graph, self.kv = graph, kv
-        self.graph.replay()
+        with torch.cuda.device(model.device):
+            self.graph.replay()
         return self.kv
 
 

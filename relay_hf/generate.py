@@ -175,6 +175,7 @@ def _run_relay(model, stock, call: dict, plan: Plan):
         return _run_relay_on(model, stock, call, plan, layout, base, 0)
     with store.holding(segment_key(grouping.tree, j) for j in range(len(grouping.tree.ids))):
         base = RelayCache.from_tree(model, grouping.tree, store, depends)
+        store.trim()  # what no call holds goes now, not after the decode (its memory is the decode's)
         return _run_relay_on(model, stock, call, plan, layout, base, base.kept_tokens)
 
 

@@ -93,17 +93,20 @@ class RelayLoader:
 def _add_engine_stats_route(app, model_manager) -> None:
     @app.get("/relay/stats")
     async def relay_stats():
+        # (asked through the engine's request queue: without continuous batching the answer waits for the
+        # generation in progress, and it counts as a request for --model-timeout's idle timer)
         engines = running_engines(model_manager)
-        answers = await asyncio.gather(*(engine.submit(engine_stats) for engine in engines.values()))
-        return {"models": dict(zip(engines, answers))}
+        answers = await asyncio.gather(*(engine.submit(engine_stats) for engine in engines.values()),
+                                       return_exceptions=True)
+        return {"models": {name: answer if isinstance(answer, dict) else {"error": str(answer)}
+                           for name, answer in zip(engines, answers)}}
 
 
 def _check_engine_patched(model_manager) -> None:
-    """For a pinned model (its engine started with the server): ``RuntimeError`` unless its engine process runs it
-    patched, so a transformers that loads models some other way stops here instead of serving them unpatched."""
+    """For a pinned model (its engine started with the server, or shared by several API servers, each of which
+    asks): ``RuntimeError`` unless its engine process runs it patched, so a transformers that loads models some
+    other way stops here instead of serving them unpatched."""
     for name, engine in running_engines(model_manager).items():
-        if getattr(engine, "externally_managed", False):  # an API server of several: the supervisor checked it
-            continue
         if not call_in_engine(engine, engine_stats)["patched"]:
             raise RuntimeError(f"relay-hf serve: the engine process of {name} runs it unpatched (this transformers "
                                f"loads models without the command's loader); serve with `transformers serve`")

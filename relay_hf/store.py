@@ -10,8 +10,8 @@ kept prefix and a model that has changed since (docs/api.md, "Kept prefixes", st
   ``attention_scaling``, PEFT's ``scaling`` dict), torch's global hooks and the attention implementation. The store
   drops every entry built under another value before it answers.
 - on every hit, the entry's own check (``freshness.SegmentCheck``): what it recomputes through the model as it is now
-  must equal, bit for bit, what it recorded when the entry was built. That catches what no counter sees (a write
-  through ``.data``, into raw storage), wherever in the model it lands.
+  must equal, bit for bit, what it recorded when the entry was built: it is there for what no counter sees (a write
+  through ``.data``, into raw storage); docs/api.md says which of those it catches.
 
 The store itself knows nothing of models (testable on its own): entries are keyed by a hashable key (the prefix's
 token ids), built on a miss by the caller's function under the store's lock (concurrent callers share one prefill),

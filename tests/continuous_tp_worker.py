@@ -52,6 +52,7 @@ def main(model_dir: str, out_dir: str) -> None:
     relay_hf.patch(model, min_prefix_length=8)
     relay = run()
     cb_stats = relay_hf.stats(model).as_dict()
+    torch.distributed.barrier()  # every rank's continuous-batching work done before the next collectives
     # plain generate after patch on the sharded model: twice, the second under the prompts the first one kept
     rows = [torch.tensor(p) for p in inputs]
     ids, mask = left_pad(rows)
@@ -64,8 +65,12 @@ def main(model_dir: str, out_dir: str) -> None:
                   heads=sorted(heads), attn=model.config._attn_implementation, generate=generated,
                   decisions=decisions)
     (Path(out_dir) / f"rank{report['rank']}.json").write_text(json.dumps(report))
+    torch.distributed.barrier()
     torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":
     main(*sys.argv[1:3])
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)  # the report is written: no interpreter teardown (gloo's threads can abort it)

@@ -40,9 +40,10 @@ _PARTIAL = re.compile(r"Expert|Moe|MoE")  # module classes whose parameters only
 _BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
-def _local(t: torch.Tensor) -> torch.Tensor:
-    to_local = getattr(t, "to_local", None)  # a tensor-parallel DTensor: this rank's shard
-    return (t if to_local is None else to_local()).detach()
+def local_shard(t: torch.Tensor) -> torch.Tensor:
+    """A tensor-parallel ``DTensor``'s shard on this rank (its own storage and version counter), else ``t``."""
+    to_local = getattr(t, "to_local", None)
+    return t if to_local is None else to_local()
 
 
 def reached_partly(module: torch.nn.Module, inputs: torch.nn.Module | None) -> bool:
@@ -74,7 +75,7 @@ def bit_sums(tensors: list[torch.Tensor]) -> torch.Tensor:
     another change cancels it exactly)."""
     if not tensors:
         return torch.zeros(0, dtype=torch.int64)
-    sums = [_local(t).view(_BITS[t.element_size()]).sum(dtype=torch.int64) for t in tensors]
+    sums = [local_shard(t).detach().view(_BITS[t.element_size()]).sum(dtype=torch.int64) for t in tensors]
     return torch.stack([s.to(sums[0].device) for s in sums])
 
 

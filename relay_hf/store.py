@@ -29,13 +29,7 @@ from contextlib import contextmanager
 
 import torch
 
-from .freshness import reached_partly
-
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    """A tensor-parallel ``DTensor``'s shard on this rank (its own storage and version counter), else ``t``."""
-    to_local = getattr(t, "to_local", None)
-    return t if to_local is None else to_local()
+from .freshness import local_shard, reached_partly
 
 
 def _tensors_signature(path: str, m: torch.nn.Module, seen: set, partial: dict) -> list:
@@ -51,7 +45,7 @@ def _tensors_signature(path: str, m: torch.nn.Module, seen: set, partial: dict) 
             if t is None or id(t) in seen:
                 continue
             seen.add(id(t))
-            local = _local(t)
+            local = local_shard(t)
             out.append((path, name, id(t), local.data_ptr(), t.dtype, t.device, tuple(t.shape),
                         None if kind else local._version))
             if not kind and t.dim() >= 3:

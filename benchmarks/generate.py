@@ -45,7 +45,10 @@ hooked inside relay_hf or transformers. Per (mode, S, B) point, in this order:
   ``return_dict_in_generate=True`` call hands back (prefix and suffix buffers of a ``RelayCache``; every row's
   keys and values of stock's cache).
 * ``host`` (µs, relay modes on CUDA): one eager ``relay_hf.relay_attention`` call at this point's decode shape (one
-  query per row, ``U + N`` suffix positions), timed over 300 calls with no synchronisation.
+  query per row, ``U + N`` suffix positions), timed over 300 calls with no synchronisation; ``host_layer`` (µs): one
+  eager decode attention layer call as transformers' loop makes it, through the seam (``relay_attention_forward`` on
+  the ``RelayKV`` of a ``RelayCache`` of the first system prompt forked for B rows: the module's options, the step's
+  plan and the launch).
 
 Medians over ``--reps`` repetitions; ``lo`` / ``hi`` are their 20th / 80th percentiles.
 """
@@ -279,6 +282,7 @@ def generate_point(model, mode: str, S: int, B: int, U: int, N: int, M: int, rep
             add("longer_prompt_call", "s", dict(median=call(N, longer), n=1), decision(), note=f"U={2 * U}")
         if "host" in only and cuda and mode.startswith("relay"):
             add("host", "us", summary(host_us(_attention_call(model, S, B, U + N), device)), decision())
+            add("host_layer", "us", summary(host_us(_layer_call(model, system[0], B, U + N), device)), decision())
     return rows
 
 
@@ -310,6 +314,24 @@ def _attention_call(model, S: int, B: int, L_s: int):
     return lambda: relay_hf.relay_attention(q, pk, pv, sk, sv)
 
 
+def _layer_call(model, prefix_ids: torch.Tensor, B: int, L_s: int):
+    """One eager decode attention layer call through the seam: layer 0's attention module over a ``RelayCache`` of
+    ``prefix_ids`` forked for ``B`` rows holding ``L_s`` suffix positions (``[B, H_q, 1, D]`` queries)."""
+    from relay_hf.attention import relay_attention_forward
+    from relay_hf.cache import RelayCache
+
+    c = model.config
+    D = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+    attn = next(m for m in model.modules() if getattr(m, "layer_idx", None) == 0 and hasattr(m, "scaling"))
+    make = lambda *shape: torch.randn(*shape, device=model.device, dtype=model.dtype)  # noqa: E731
+    with torch.no_grad():
+        fork = RelayCache.from_prefix(model, prefix_ids).fork(suffix_padding=torch.zeros(B, dtype=torch.int32))
+        fork.update(make(B, c.num_key_value_heads, L_s - 1, D), make(B, c.num_key_value_heads, L_s - 1, D), 0)
+        key, value = fork.update(make(B, c.num_key_value_heads, 1, D), make(B, c.num_key_value_heads, 1, D), 0)
+    query = make(B, c.num_attention_heads, 1, D)
+    return lambda: relay_attention_forward(attn, query, key, value, None, scaling=attn.scaling)
+
+
 def _line(rows: list[dict]) -> dict:
     """The printed summary of one point, gpt-fast style."""
     get = {r["metric"]: r["median"] for r in rows}
@@ -323,6 +345,7 @@ def _line(rows: list[dict]) -> dict:
                 first_call_s=get["cold_first_call"],
                 new_batch_s=get.get("new_batch_first_call", float("nan")),
                 longer_prompt_s=get.get("longer_prompt_call", float("nan")), host_us=get.get("host", float("nan")),
+                host_layer_us=get.get("host_layer", float("nan")),
                 relay=step["relay_used"],
                 loop=step["relay_loop"])
     say(f"{line['mode']} S={line['S']} B={line['B']} groups={line['groups']}: step {line['step_ms']:.2f} ms (streamed "
@@ -330,8 +353,8 @@ def _line(rows: list[dict]) -> dict:
         f"{line['GBps']:,.0f} GB/s), sampling step {line['sample_step_ms']:.2f} ms, first token "
         f"{line['ttft_s']:.3f} s, peak {line['peak_GiB']:.2f} GiB, KV {line['kv_MiB']:.1f} MiB; first call "
         f"{line['first_call_s']:.2f} s, at a new batch size {line['new_batch_s']:.2f} s, with longer prompts "
-        f"{line['longer_prompt_s']:.2f} s; eager attention host {line['host_us']:.1f} us; relay used: "
-        f"{line['relay']}, relay_hf loop: {line['loop']}")
+        f"{line['longer_prompt_s']:.2f} s; eager attention host {line['host_us']:.1f} us (a layer call "
+        f"{line['host_layer_us']:.1f} us); relay used: {line['relay']}, relay_hf loop: {line['loop']}")
     return line
 
 

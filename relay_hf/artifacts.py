@@ -21,6 +21,8 @@ from pathlib import Path
 
 import torch
 
+from ._version import __version__
+
 logger = logging.getLogger("relay_hf")
 
 _TRIED: set[Path] = set()  # files this process has tried to load (once each)
@@ -53,8 +55,6 @@ def artifact_path(model, settings: str) -> Path | None:
 
 def _artifact_path(model, settings: str) -> Path:
     import transformers
-
-    from . import __version__
 
     try:
         import triton

@@ -6,7 +6,8 @@ switches of the model's settings (so concurrent calls on one model cannot distur
 * ``relay_attention_forward`` (``AttentionInterface``) runs relay attention when the cache hands it
   ``RelayKV(prefix, suffix)`` pairs (a ``RelayCache``), and otherwise is exactly the model's own implementation (the
   one it had before ``patch``: sdpa, eager, flash...; sdpa for a model that was never patched). The module's logit
-  softcap, attention sinks and sliding window go to ``relay_attention`` as they are.
+  softcap, attention sinks and sliding window become its ``AttentionOptions`` (``module_options``, built once per
+  module) and the cache's ``StepMetadata`` says where the rows are: ``kernels.attend`` runs them.
 * ``relay_mask`` (``AttentionMaskInterface``) builds exactly the own implementation's mask. Only for a layer of a
   dynamic ``RelayCache`` (the one cache whose ``kv_offset`` is a ``RelayOffset``), full or sliding, it returns a
   ``RelayMask`` instead: ``suffix_lengths``, each row's valid (non-pad) suffix tokens. A static
@@ -26,7 +27,7 @@ from transformers.masking_utils import AttentionMaskInterface, causal_mask_funct
 from transformers.utils import is_torchdynamo_compiling
 
 from ._compat import attn_implementation, eager_attention_function, registered_attention, registered_mask
-from .kernels import relay_attention
+from .kernels import AttentionOptions, attend
 from .layers import RelayKV, RelayOffset
 from .names import ATTN_NAME, RELAY_NAMES, STOCK_OF
 
@@ -122,23 +123,42 @@ def _stock_attention(module, query, key, value, attention_mask, **kwargs):
 
 # attention-function arguments that change the result and that relay attention does not implement
 _UNSERVED = ("attention_chunk_size", "alibi", "position_bias")
+# id(attention module) -> its AttentionOptions, built once and reused while it asks the same; entries die with the
+# module (by id, as _STOCK: a weak-keyed lookup costs a weakref per call)
+_OPTIONS: dict[int, AttentionOptions] = {}
 
 
-def _options(key: RelayKV, sliding_window, kwargs) -> dict:
-    """``softcap`` / ``sinks`` / ``window`` for ``relay_attention``: the module's logit softcap (Gemma 2), its sinks
-    (gpt-oss hands them as ``s_aux``), and its sliding window where it can exclude a key of these buffers (a window
-    that holds every position changes nothing, and without it the kernels skip the window's bookkeeping). A static
-    cache always gets the window: a captured step replays for later calls whose prefixes may be longer."""
-    sinks = kwargs.get("s_aux", kwargs.get("sinks"))
-    window = None
-    if sliding_window is not None:
-        prefix = key.prefix.shape[-2] if key.groups is None else key.groups.max_prefix_length
-        if key.end is not None or prefix + key.suffix.shape[-2] > sliding_window:
-            window = sliding_window
-    return dict(softcap=kwargs.get("softcap"), sinks=sinks, window=window)
+def module_options(module: torch.nn.Module, scaling: float | None, sliding_window: int | None,
+                   kwargs: dict) -> AttentionOptions:
+    """The module's ``AttentionOptions``, from what its forward hands the attention function: ``scaling``, its
+    sliding window, its logit softcap (Gemma 2 passes ``softcap``) and its sinks (gpt-oss passes them as ``s_aux``).
+    Built once per module (not per call): a layer call compares four values and reuses the object, so the step's
+    plans find it by its ``key``. Inside a compiled region it is built inline (dynamo traces it away)."""
+    softcap, sinks = kwargs.get("softcap"), kwargs.get("s_aux", kwargs.get("sinks"))
+    if is_torchdynamo_compiling():
+        return AttentionOptions(scaling, softcap, sliding_window, sinks)
+    key = id(module)
+    options = _OPTIONS.get(key)
+    if options is None or not options.same(scaling, softcap, sliding_window, sinks):
+        if options is None:
+            weakref.finalize(module, _OPTIONS.pop, key, None)
+        options = _OPTIONS[key] = AttentionOptions(scaling, softcap, sliding_window, sinks)
+    return options
 
 
-def _check_relay_call(module, key: RelayKV, attention_mask, dropout: float, sliding_window, kwargs) -> None:
+def _step_options(options: AttentionOptions, key: RelayKV) -> AttentionOptions:
+    """The options as this step's buffers need them: a sliding window only where it can exclude a key of these
+    buffers (a window that holds every position changes nothing, and without it the kernels skip the window's
+    bookkeeping). A static cache always gets the window: a captured step replays for later calls whose prefixes may be
+    longer."""
+    window, step = options.window, key.step
+    if window is None or step.suffix_end is not None:
+        return options
+    prefix = key.prefix.shape[-2] if step.groups is None else step.groups.max_prefix_length
+    return options if prefix + key.suffix.shape[-2] > window else options.without_window
+
+
+def _check_relay_call(module, key: RelayKV, dropout: float, sliding_window, kwargs) -> None:
     """Refuse, by name, anything relay would compute differently from stock attention."""
     if dropout:
         raise ValueError("relay attention does not implement attention dropout; call model.eval()")
@@ -147,7 +167,8 @@ def _check_relay_call(module, key: RelayKV, attention_mask, dropout: float, slid
     unknown = sorted(k for k, v in kwargs.items() if v is not None and k in _UNSERVED)
     if unknown:
         raise ValueError(f"relay attention does not support `{unknown[0]}`; relay_hf.patch should have declined")
-    trimmed = key.groups.window if key.groups is not None else None
+    groups = key.step.groups
+    trimmed = groups.window if groups is not None else None
     if trimmed is not None and sliding_window != trimmed:  # the dropped keys would be missing: refuse, never guess
         raise ValueError(f"this layer's RelayCache keeps only what a sliding window of {trimmed} tokens can see, "
                          f"but its attention now runs with sliding_window={sliding_window}; build the RelayCache "
@@ -161,9 +182,9 @@ def relay_attention_forward(module: torch.nn.Module, query: torch.Tensor, key, v
 
     Args:
         query: ``[B, H_q, L_q, D]``.
-        key, value: ``RelayKV(prefix [1, H_kv, P, D], suffix [B, H_kv, L_s, D], ...)`` from a ``RelayCache`` (with
-            the ``PrefixGroups`` of several prefixes), or plain ``[B, H_kv, L, D]`` tensors (then this is the model's
-            own implementation).
+        key, value: ``RelayKV(prefix [1, H_kv, P, D], suffix [B, H_kv, L_s, D], step)`` from a ``RelayCache`` (the
+            step's ``StepMetadata``: row extents, prefix groups, the plans its layers share), or plain
+            ``[B, H_kv, L, D]`` tensors (then this is the model's own implementation).
         attention_mask: with a ``RelayCache`` that does not carry its rows' extents, a ``RelayMask`` or ``None``
             (ignored when it does); the own implementation's mask otherwise.
 
@@ -175,20 +196,17 @@ def relay_attention_forward(module: torch.nn.Module, query: torch.Tensor, key, v
             kwargs["sliding_window"] = sliding_window
         return _stock_attention(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                 **kwargs)
-    _check_relay_call(module, key, attention_mask, dropout, sliding_window, kwargs)
-    if key.lengths is not None or key.end is not None:  # the cache knows its rows' layout: extents travel with it
-        suffix_lengths = key.lengths
-    elif isinstance(attention_mask, RelayMask):
-        suffix_lengths = attention_mask.suffix_lengths
-    elif attention_mask is None:
-        suffix_lengths = None
-    else:
-        raise ValueError("relay attention cannot read the rows' padding from this attention mask (a custom mask, or a "
-                         "sliding-window model): pass the RelayCache to a relay_hf.patch'ed model's generate, which "
-                         "lays the rows out")
-    out = relay_attention(query, key.prefix, value.prefix, key.suffix, value.suffix, scale=scaling,
-                          suffix_lengths=suffix_lengths, suffix_end=key.end, prefix_groups=key.groups,
-                          **_options(key, sliding_window, kwargs))  # [B, H_q, L_q, D_v]
+    _check_relay_call(module, key, dropout, sliding_window, kwargs)
+    step = key.step
+    if step.suffix_lengths is None and step.suffix_end is None:  # the cache does not know its rows' extents
+        if isinstance(attention_mask, RelayMask):
+            step = step.with_lengths(attention_mask.suffix_lengths)
+        elif attention_mask is not None:
+            raise ValueError("relay attention cannot read the rows' padding from this attention mask (a custom mask, "
+                             "or a sliding-window model): pass the RelayCache to a relay_hf.patch'ed model's "
+                             "generate, which lays the rows out")
+    options = _step_options(module_options(module, scaling, sliding_window, kwargs), key)
+    out = attend(step, options, query, key.prefix, value.prefix, key.suffix, value.suffix)  # [B, H_q, L_q, D_v]
     return out.transpose(1, 2).contiguous(), None
 
 

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import torch
 from transformers.cache_utils import Cache
+from transformers.utils import is_torchdynamo_compiling
 
 from ._compat import attn_implementation
 from .kernels import pin_tables
@@ -35,45 +36,10 @@ PREFIX_ROUNDING = 256  # a static cache of several prefixes holds their packed p
 MIN_SEGMENT_CAPACITY = 4  # ... and plans its kernels for at least this many segments per level (a power of two)
 
 
-class RelayCache(Cache):
-    """A transformers ``Cache`` that stores each shared prefix ONCE per layer and a suffix per row.
+class _Constructors:
+    """How a ``RelayCache`` is made from a model: each constructor prefills (or packs) the prefixes and calls
+    ``cls(config, kv, tree=..., windows=...)``."""
 
-    Build one with ``RelayCache.from_prefix(model, prefix_ids)`` (prefills the prefix at batch 1), or with
-    ``RelayCache.from_prefixes(model, [ids, ...])`` for several (system prompts; a prompt followed by documents that
-    some of its rows share), and pass it to a patched model's ``generate`` as ``past_key_values=`` (or ``cache=`` on
-    transformers >= 5.24) as often as you like: every call works on its own ``fork()``, so the cache you hold is never
-    mutated, and each row reads the longest of its prefixes that the row starts with.
-
-    Attributes:
-        tree: the stored segments (``prefix.PrefixTree``), or ``None`` when built from raw KV.
-        prefix_ids: ``[P]`` int64 token ids of the prefix when there is exactly one, else ``None``.
-        prefix_length: ``P``: the prefix's tokens, or on a fork of several prefixes the longest a row reads.
-    """
-
-    def __init__(self, config, prefix_kv: list[tuple[torch.Tensor, torch.Tensor]] | None = None,
-                 prefix_ids: torch.Tensor | None = None, tree: PrefixTree | None = None,
-                 windows: list[int | None] | None = None):
-        n_layers = config.get_text_config(decoder=True).num_hidden_layers
-        if prefix_kv is not None and len(prefix_kv) != n_layers:
-            raise ValueError(f"prefix_kv has {len(prefix_kv)} layers, the model has {n_layers}")
-        prefix_kv = prefix_kv or [(None, None)] * n_layers
-        if tree is None and prefix_ids is not None:
-            tree = PrefixTree((torch.as_tensor(prefix_ids).reshape(-1).to("cpu", torch.int64),), (-1,))
-        windows = windows or [None] * n_layers  # per layer: the sliding window its stored prefix is trimmed for
-        super().__init__(layers=[RelayLayer(k, v, window=w, full_lengths=None if w is None else tree.lengths)
-                                 for (k, v), w in zip(prefix_kv, windows)])
-        self.config = config
-        self.tree = tree
-        self._groups = None  # a fork's PrefixGroups (every layer reads through it, or its windowed view)
-        self.kept_tokens = 0  # prefix tokens taken from a prefix store instead of a prefill (from_tree)
-
-    @property
-    def prefix_ids(self) -> torch.Tensor | None:
-        if self.tree is None or len(self.tree.ids) != 1:
-            return None
-        return self.tree.ids[0].to(self.prefix_device) if self.prefix_device is not None else self.tree.ids[0]
-
-    # -- construction ----------------------------------------------------------------------------------------------
     @classmethod
     def from_prefix(cls, model, prefix_ids) -> RelayCache:
         """Prefill ``prefix_ids`` once at batch 1 through ``model`` and keep its KV as the shared prefix.
@@ -117,6 +83,48 @@ class RelayCache(Cache):
             return caches[0]
         kv, tree, windows = pack_prefixes([(c.tree, c.layers) for c in caches])
         return cls(caches[0].config, kv, tree=tree, windows=windows)
+
+
+class RelayCache(_Constructors, Cache):
+    """A transformers ``Cache`` that stores each shared prefix ONCE per layer and a suffix per row.
+
+    Build one with ``RelayCache.from_prefix(model, prefix_ids)`` (prefills the prefix at batch 1), or with
+    ``RelayCache.from_prefixes(model, [ids, ...])`` for several (system prompts; a prompt followed by documents that
+    some of its rows share), and pass it to a patched model's ``generate`` as ``past_key_values=`` (or ``cache=`` on
+    transformers >= 5.24) as often as you like: every call works on its own ``fork()``, so the cache you hold is never
+    mutated, and each row reads the longest of its prefixes that the row starts with.
+
+    Attributes:
+        tree: the stored segments (``prefix.PrefixTree``), or ``None`` when built from raw KV.
+        prefix_ids: ``[P]`` int64 token ids of the prefix when there is exactly one, else ``None``.
+        prefix_length: ``P``: the prefix's tokens, or on a fork of several prefixes the longest a row reads.
+    """
+
+    def __init__(self, config, prefix_kv: list[tuple[torch.Tensor, torch.Tensor]] | None = None,
+                 prefix_ids: torch.Tensor | None = None, tree: PrefixTree | None = None,
+                 windows: list[int | None] | None = None):
+        n_layers = config.get_text_config(decoder=True).num_hidden_layers
+        if prefix_kv is not None and len(prefix_kv) != n_layers:
+            raise ValueError(f"prefix_kv has {len(prefix_kv)} layers, the model has {n_layers}")
+        prefix_kv = prefix_kv or [(None, None)] * n_layers
+        if tree is None and prefix_ids is not None:
+            tree = PrefixTree((torch.as_tensor(prefix_ids).reshape(-1).to("cpu", torch.int64),), (-1,))
+        windows = windows or [None] * n_layers  # per layer: the sliding window its stored prefix is trimmed for
+        super().__init__(layers=[RelayLayer(k, v, window=w, full_lengths=None if w is None else tree.lengths)
+                                 for (k, v), w in zip(prefix_kv, windows)])
+        self.config = config
+        self.tree = tree
+        self._groups = None  # a fork's PrefixGroups (every layer reads through it, or its windowed view)
+        # window (None: the call's groups as they are) -> the kernel plans the layers reading that view share
+        # (StepMetadata.plans): one plan per step for all layers, not one lookup per layer
+        self._plans: dict = {}
+        self.kept_tokens = 0  # prefix tokens taken from a prefix store instead of a prefill (from_tree)
+
+    @property
+    def prefix_ids(self) -> torch.Tensor | None:
+        if self.tree is None or len(self.tree.ids) != 1:
+            return None
+        return self.tree.ids[0].to(self.prefix_device) if self.prefix_device is not None else self.tree.ids[0]
 
     def reserve(self, tokens: int) -> None:
         """Size every layer's suffix buffers for ``tokens`` positions when they are first allocated."""
@@ -165,6 +173,7 @@ class RelayCache(Cache):
     def _set_groups(self, groups: PrefixGroups | None) -> dict[int, PrefixGroups | None]:
         """Hand every layer this call's ``groups``; the views by window, as ``layers.share_groups`` returns them."""
         self._groups = groups
+        self._plans = {}  # plans bind the groups' tables: new groups, new plans
         return share_groups(self.layers, groups)
 
     @property
@@ -241,7 +250,9 @@ class RelayCache(Cache):
         its index (``regional.LayerCacheView``: a compiled layer must not depend on its index)."""
         # relay attention reads RelayKV; any other implementation (or a layer with no prefix) gets stock's tensors
         if self.relay_active and (layer.prefix_keys is not None or layer.is_compileable):
-            return layer.relay_update(key_states, value_states)
+            # a compiled step calls the custom op (no plans): nothing to share, nothing for dynamo to mutate
+            plans = None if is_torchdynamo_compiling() else self._plans.setdefault(layer.window, {})
+            return layer.relay_update(key_states, value_states, plans)
         return layer.update(key_states, value_states)
 
     def get_mask_sizes(self, query_length: int, layer_idx: int) -> tuple[int, int]:

@@ -6,9 +6,9 @@ serves, and switches the model to the name continuous batching accepts for relay
 or, where relay cannot serve, to the model's own implementation: stock continuous batching, unchanged. The last of
 its managers to stop switches the model back to relay, unless ``unpatch`` let go of the model meanwhile.
 
-Per step, a forward pre-hook (``plan_step``) plans the step on the host from the cache's read index
-(``paged.plan_paged_step``: each shared run of blocks read once) and hands the plan to every layer as the keyword
-``relay_plan``; ``relay_paged_attention_forward`` runs it.
+Per step, a forward pre-hook (``lay_out_step``) lays the step out on the host from the cache's read index
+(``paged.paged_step``: each shared run of blocks read once) and hands it to every layer as the keyword
+``relay_step``; ``relay_paged_attention_forward`` runs it.
 """
 
 from __future__ import annotations
@@ -30,6 +30,7 @@ from ._compat import (
 )
 from .attention import (
     model_configs,
+    module_options,
     relay_attention_forward,
     relay_mask,
     relay_name,
@@ -37,8 +38,9 @@ from .attention import (
     stock_implementation,
 )
 from .names import PAGED_NAMES, is_paged_name, is_relay_name
-from .paged import paged_relay_attention, plan_paged_step
+from .paged import paged_relay_attention, paged_step
 from .policy import continuous_reason
+from .state import relay_state
 from .stats import full_layer_kv_bytes
 
 
@@ -49,16 +51,16 @@ def relay_paged_attention_forward(module: torch.nn.Module, query: torch.Tensor, 
 
     Args:
         query: ``[1, H_q, T, D]`` the step's packed queries.
-        key, value: ``[1, H_kv, N, D]``: the KV the paged cache gathered through the plan's read index (or, in
+        key, value: ``[1, H_kv, N, D]``: the KV the paged cache gathered through the step's read index (or, in
             transformers 5.17, this step's new KV, which this function writes and gathers itself through ``cache``).
-        kwargs: ``relay_plan`` (``paged.PagedPlan``) from ``plan_step``; without it (a forward outside continuous
+        kwargs: ``relay_step`` (``paged.PagedStep``) from ``lay_out_step``; without it (a forward outside continuous
             batching) this is ``relay_attention_forward``.
 
     Returns:
         ``([1, T, H_q, D_v], None)``.
     """
-    plan = kwargs.get("relay_plan")
-    if plan is None:
+    step = kwargs.get("relay_step")
+    if step is None:
         return relay_attention_forward(module, query, key, value, attention_mask, dropout, scaling, sliding_window,
                                        **kwargs)
     if dropout:
@@ -66,37 +68,37 @@ def relay_paged_attention_forward(module: torch.nn.Module, query: torch.Tensor, 
     cache = kwargs.get("cache")
     if is_paged_cache(cache):
         key, value = paged_update(cache, module, key, value, kwargs)
-    out = paged_relay_attention(query, key, value, plan, scale=scaling, softcap=kwargs.get("softcap"),
-                                sinks=kwargs.get("s_aux", kwargs.get("sinks")))
+    # no window: continuous_reason runs sliding-window models stock (their blocks are not shared)
+    out = paged_relay_attention(query, key, value, step, module_options(module, scaling, None, kwargs))
     return out, None
 
 
-def plan_step(model, args, kwargs):
-    """Forward pre-hook of a patched model: on a continuous-batching step under relay's name, plan the step, rewrite
-    the read index the cache gathers through, and pass the plan to the layers (``relay_plan``)."""
+def lay_out_step(model, args, kwargs):
+    """Forward pre-hook of a patched model: on a continuous-batching step under relay's name, lay the step out,
+    rewrite the read index the cache gathers through, and pass the layout to the layers (``relay_step``)."""
     read = kwargs.get("read_index")
-    if read is None or "relay_plan" in kwargs or not is_paged_name(attn_implementation(model.config)):
+    if read is None or "relay_step" in kwargs or not is_paged_name(attn_implementation(model.config)):
         return None
     if len(read) != 1:
         raise ValueError(f"relay's continuous batching serves one attention type, this step reads {len(read)}")
     cu_q = kwargs["cu_seq_lens_q"].tolist()
     cu_k = kwargs["cu_seq_lens_k"]
     cu_k = (next(iter(cu_k.values())) if isinstance(cu_k, dict) else cu_k).tolist()
-    state = model._relay_state
-    plan = plan_paged_step(read[0], cu_q[:len(cu_k)], cu_k, max(1, state.min_prefix_length), read[0].device)
-    if plan.shared_tokens:  # full-attention layers' bytes per token, taken when the manager started
+    state = relay_state(model)
+    step = paged_step(read[0], cu_q[:len(cu_k)], cu_k, max(1, state.min_prefix_length), read[0].device)
+    if step.shared_tokens:  # full-attention layers' bytes per token, taken when the manager started
         token_bytes = model.__dict__["init_continuous_batching"].kv_token_bytes
-        state.counters.add(relay_steps=1, relay_rows=plan.decode.rows,
-                           kv_bytes_not_reread=plan.shared_tokens * token_bytes)
-    kwargs = dict(kwargs, relay_plan=plan)
-    if plan.read_index is not None:
-        kwargs["read_index"] = [plan.read_index]
+        state.counters.add(relay_steps=1, relay_rows=step.decode.rows,
+                           kv_bytes_not_reread=step.shared_tokens * token_bytes)
+    kwargs = dict(kwargs, relay_step=step)
+    if step.read_index is not None:
+        kwargs["read_index"] = [step.read_index]
     return args, kwargs
 
 
 def _without_graphs(cb_config):
-    """A copy of the caller's ``ContinuousBatchingConfig`` (or a default one) with CUDA graphs off: relay plans each
-    step on the host (``policy.continuous_reason`` runs stock where the caller asked for graphs)."""
+    """A copy of the caller's ``ContinuousBatchingConfig`` (or a default one) with CUDA graphs off: relay lays each
+    step out on the host (``policy.continuous_reason`` runs stock where the caller asked for graphs)."""
     from transformers import ContinuousBatchingConfig
 
     cb_config = ContinuousBatchingConfig() if cb_config is None else copy.copy(cb_config)
@@ -120,7 +122,7 @@ class RelayContinuousBatching:
     """The ``init_continuous_batching`` of one patched model instance (a callable object, as ``RelayGenerate``).
 
     Relay serves (``policy.continuous_reason``): the model runs the continuous-batching relay name while relay's
-    managers live (``live`` counts them), CUDA graphs off in a copy of the caller's config (relay plans every step on
+    managers live (``live`` counts them), CUDA graphs off in a copy of the caller's config (relay lays every step out on
     the host). Otherwise the model runs its own implementation while the manager lives (``stock_live`` counts those):
     stock continuous batching, unchanged. The last of them to stop switches the model back to relay, unless
     ``unpatch`` has let go of the model meanwhile (``release``): then the model stays as ``unpatch`` left it, stock.
@@ -176,7 +178,7 @@ class RelayContinuousBatching:
             model.relay_continuous_reason = why
             if why is None:
                 if self._hook is None:
-                    self._hook = model.register_forward_pre_hook(plan_step, with_kwargs=True)
+                    self._hook = model.register_forward_pre_hook(lay_out_step, with_kwargs=True)
                 self.kv_token_bytes = full_layer_kv_bytes(model)
                 continuous_batching_config = _without_graphs(cb_config)
                 if not self.live:
@@ -189,7 +191,7 @@ class RelayContinuousBatching:
                 if relay_or_paged:
                     model.set_attn_implementation(stock_implementation(model.config))
                 self.stock_live += 1
-                model._relay_state.counters.add(stock_calls=1)
+                relay_state(model).counters.add(stock_calls=1)
         try:
             manager = init(model, generation_config, continuous_batching_config, *args, **kwargs)
         except BaseException:
@@ -210,7 +212,7 @@ class RelayContinuousBatching:
             if self._released or self.live or self.stock_live:
                 return
             model = self.__self__
-            model.set_attn_implementation(self._relay or relay_name(model._relay_state.original_attn))
+            model.set_attn_implementation(self._relay or relay_name(relay_state(model).original_attn))
 
     def __reduce__(self):  # the hook travels with the model's own state: a copy gets a new one
         return RelayContinuousBatching, (self.__self__,)

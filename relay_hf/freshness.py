@@ -29,6 +29,7 @@ import torch
 from transformers.cache_utils import DynamicCache
 
 from ._compat import cache_kwarg_name
+from .graphs import capture_graph
 
 logger = logging.getLogger("relay_hf")
 
@@ -111,17 +112,7 @@ class _Replay:
         if self.graph is None:
             self.ids = head.to(model.device)  # the graph's input, kept alive with it (no copy while capturing)
             try:
-                with torch.cuda.device(model.device):  # the model's device, whichever is current
-                    side = torch.cuda.Stream()
-                    side.wait_stream(torch.cuda.current_stream())
-                    with torch.cuda.stream(side):
-                        _head_kv(model, self.ids)  # warm-up, off the capture
-                    torch.cuda.current_stream().wait_stream(side)
-                    graph = torch.cuda.CUDAGraph()
-                    # thread_local: another thread's work on the device (a decode step) is neither broken by this
-                    # capture nor refused while it runs
-                    with torch.cuda.graph(graph, capture_error_mode="thread_local"):
-                        kv = _head_kv(model, self.ids)
+                graph, kv = capture_graph(lambda: _head_kv(model, self.ids), model.device, warm_up=True)
             except Exception as err:  # noqa: BLE001 - any capture failure: the eager forward is the same check
                 logger.debug("relay_hf: the kept-prefix check runs eagerly: its capture failed: %s", err)
                 self.eager = True

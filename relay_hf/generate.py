@@ -1,9 +1,10 @@
 """The ``generate`` that ``relay_hf.patch`` installs on one model instance.
 
-Per call: ``policy.decide`` plans relay or stock. Stock runs the class's own ``generate`` with the caller's arguments
-(a ``RelayCache`` argument removed, so stock never sees a cache in a layout it cannot use). Relay:
+Per call: ``policy.decide`` routes it to relay or stock. Stock runs the class's own ``generate`` with the caller's
+arguments (a ``RelayCache`` argument removed, so stock never sees a cache in a layout it cannot use). Relay:
 
-1. prefills each shared prefix once at batch 1 into a ``RelayCache`` (or forks the caller's, which is never mutated),
+1. prefills each shared prefix once at batch 1 into a ``RelayCache``, or takes it from the model's prefix store
+   (``kept.py``), or forks the caller's cache (never mutated),
 2. lays each row out as ``[its prefix | masked | its suffix]`` (``prefix.RowLayout``) and runs stock ``generate`` on
    that, so only the suffixes are prefilled and every decode step reads each prefix once per batch; user processors,
    criteria and streamers see the stock layout,
@@ -13,6 +14,7 @@ Per call: ``policy.decide`` plans relay or stock. Stock runs the class's own ``g
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import inspect
 import logging
@@ -28,10 +30,11 @@ from transformers.generation.streamers import BaseStreamer
 from ._compat import cache_kwarg_name, output_cache
 from .cache import RelayCache
 from .decode import fast_generate
-from .policy import CACHE_NAMES, NOT_PATCHED, Plan, RelayDecision, decide, prefix_store
-from .prefill import segment_key
+from .kept import kept_caches, prefix_store, tree_keys
+from .policy import CACHE_NAMES, NOT_PATCHED, RelayDecision, Route, decide
 from .prefix import RowLayout, relay_layout
-from .state import StaticSlot
+from .sampling import loop_sampler
+from .state import StaticSlot, relay_state
 from .stats import attention_windows, decode_bytes_not_reread, layer_kv_bytes
 
 logger = logging.getLogger("relay_hf")
@@ -88,27 +91,27 @@ def _bind(model, args, kwargs) -> dict:
     return bound
 
 
-def _warn_fallback(plan: Plan) -> None:
+def _warn_fallback(route: Route) -> None:
     """Once per reason: a call that would have gained from relay runs stock."""
-    key = re.sub(r"\d+", "N", plan.reason)  # one warning per kind of reason, whatever the sizes
+    key = re.sub(r"\d+", "N", route.reason)  # one warning per kind of reason, whatever the sizes
     with _warned_lock:
         if key in _warned:
             return
         _warned.add(key)
-    logger.warning("relay_hf: this call runs stock generate: %s", plan.reason)
+    logger.warning("relay_hf: this call runs stock generate: %s", route.reason)
 
 
-def _stop_strings(call: dict, plan: Plan) -> StopStringCriteria | None:
+def _stop_strings(call: dict, route: Route) -> StopStringCriteria | None:
     """Stock's criterion for the call's stop strings, or ``None``. It reads the prompt's tail, so relay builds it
     itself and shows it stock-layout ids (both loops)."""
-    if plan.gen.stop_strings is None:
+    if route.gen.stop_strings is None:
         return None
-    return StopStringCriteria(tokenizer=call["tokenizer"], stop_strings=plan.gen.stop_strings)
+    return StopStringCriteria(tokenizer=call["tokenizer"], stop_strings=route.gen.stop_strings)
 
 
-def _wrap_user_hooks(call: dict, layout: RowLayout, plan: Plan) -> None:
+def _wrap_user_hooks(call: dict, layout: RowLayout, route: Route) -> None:
     """Let user processors, criteria and streamers (and stop strings) see stock-layout ids."""
-    stop = _stop_strings(call, plan)
+    stop = _stop_strings(call, route)
     if stop is not None:
         call["stopping_criteria"] = [*(call.get("stopping_criteria") or []), stop]
         call["stop_strings"] = None
@@ -120,29 +123,29 @@ def _wrap_user_hooks(call: dict, layout: RowLayout, plan: Plan) -> None:
         call["streamer"] = _StreamerView(call["streamer"], layout)
 
 
-def _lengths_for_layout(call: dict, layout: RowLayout, plan: Plan) -> None:
+def _lengths_for_layout(call: dict, layout: RowLayout, route: Route) -> None:
     """The relay layout can have more columns than the stock prompt (several prefixes of different lengths): the
     call's total lengths (``max_length``, ``min_length``), which transformers' loop counts from the prompt's columns,
     are restated for it."""
-    extra = layout.columns - plan.ids.shape[1]
+    extra = layout.columns - route.ids.shape[1]
     if not extra:
         return
     call.pop("max_length", None)
-    call["max_new_tokens"] = plan.new_tokens
-    if plan.gen.min_new_tokens is None and (plan.gen.min_length or 0) > 0:
-        call["min_length"] = plan.gen.min_length + extra
+    call["max_new_tokens"] = route.new_tokens
+    if route.gen.min_new_tokens is None and (route.gen.min_length or 0) > 0:
+        call["min_length"] = route.gen.min_length + extra
 
 
-def _static_slot(model, base: RelayCache, plan: Plan, pads: torch.Tensor, paths) -> StaticSlot:
+def _static_slot(model, base: RelayCache, route: Route, pads: torch.Tensor, paths) -> StaticSlot:
     """A static fork of ``base`` for this call (``pads [R]``: each row's left padding; ``paths``: the segments each
     row reads, or ``None`` for one prefix): an idle one of the model's refilled in place when its shapes fit (as
     transformers keeps its StaticCache, so captured graphs are not re-recorded), else a new one of
-    ``plan.static_rows`` rows. relay_hf's loop takes a slot of up to twice its bucket's rows and suffix capacity (the
+    ``route.static_rows`` rows. relay_hf's loop takes a slot of up to twice its bucket's rows and suffix capacity (the
     extra rows copy row 0); transformers' loop needs the exact shapes."""
-    cap, rows = plan.static_capacity, plan.static_rows
-    fits = ((lambda c: c.can_refill(base, rows, cap, max_rows=2 * rows, paths=paths)) if plan.fast_decode else
+    cap, rows = route.static_capacity, route.static_rows
+    fits = ((lambda c: c.can_refill(base, rows, cap, max_rows=2 * rows, paths=paths)) if route.fast_decode else
             (lambda c: c.can_refill(base, rows, cap, paths=paths) and c.layers[0].max_suffix_length == cap))
-    slot = model._relay_state.take_static(fits)
+    slot = relay_state(model).take_static(fits)
     if slot is None:
         slot = StaticSlot(base.fork(max_suffix_length=cap, suffix_padding=_extend(pads, rows),
                                     paths=_extend(paths, rows)))
@@ -162,60 +165,57 @@ def _extend(rows_values, rows: int):
     return list(rows_values) + [rows_values[0]] * (rows - len(rows_values))
 
 
-def _run_relay(model, stock, call: dict, plan: Plan):
-    grouping = plan.grouping
-    layout = relay_layout(plan.ids, plan.mask, plan.n_pad, grouping.prefix_lengths())
-    if plan.user_cache is not None:
-        return _run_relay_on(model, stock, call, plan, layout, plan.user_cache, 0)
+def _run_relay(model, stock, call: dict, route: Route):
+    grouping = route.grouping
+    layout = relay_layout(route.ids, route.mask, route.n_pad, grouping.prefix_lengths())
+    if route.user_cache is not None:
+        return _run_relay_on(model, stock, call, route, layout, route.user_cache, 0)
     # each shared segment prefilled once, at batch 1, or taken from the model's prefix store; held while the call
     # runs (no other call evicts them meanwhile), the store back within its budget when it ends
     store, depends = prefix_store(model)
-    if store is None:
-        base = RelayCache.from_tree(model, grouping.tree)
-        return _run_relay_on(model, stock, call, plan, layout, base, 0)
-    with store.holding(segment_key(grouping.tree, j) for j in range(len(grouping.tree.ids))):
-        base = RelayCache.from_tree(model, grouping.tree, store, depends)
-        store.trim()  # what no call holds goes now, not after the decode (its memory is the decode's)
-        return _run_relay_on(model, stock, call, plan, layout, base, base.kept_tokens)
+    with contextlib.nullcontext() if store is None else store.holding(tree_keys(grouping.tree)):
+        (base,), _ = kept_caches(model, [grouping.tree], store, depends)
+        return _run_relay_on(model, stock, call, route, layout, base, base.kept_tokens)
 
 
-def _run_relay_on(model, stock, call: dict, plan: Plan, layout, base: RelayCache, kept: int):
+def _run_relay_on(model, stock, call: dict, route: Route, layout, base: RelayCache, kept: int):
     """The relay call on ``base``, the prefix cache (``kept``: its tokens taken from the store). Returns the output,
     ``kept`` and, on relay_hf's loop, how its step ran in the end (``DecodeStep.kind``), else ``None``."""
-    per_input = plan.rows // plan.ids.shape[0]  # beams / return sequences
+    per_input = route.rows // route.ids.shape[0]  # beams / return sequences
     pads = layout.suffix_padding.to(torch.int32).repeat_interleave(per_input)  # [R]
-    paths = [p for p in plan.grouping.paths for _ in range(per_input)] if plan.grouped else None
-    slot = _static_slot(model, base, plan, pads, paths) if plan.static else None
+    paths = [p for p in route.grouping.paths for _ in range(per_input)] if route.grouped else None
+    slot = _static_slot(model, base, route, pads, paths) if route.static else None
     if slot is None:
         cache = base.fork(suffix_padding=pads, paths=paths)
         # suffix buffers sized once: prompt after the prefix + new tokens
-        cache.reserve(layout.columns - layout.prefix_columns + plan.new_tokens)
+        cache.reserve(layout.columns - layout.prefix_columns + route.new_tokens)
     else:
         cache = slot.cache
     out = None
     try:
-        if plan.fast_decode:
+        if route.fast_decode:
             streamer = call.get("streamer")
-            stop = _stop_strings(call, plan)
+            stop = _stop_strings(call, route)
+            sampler = loop_sampler(model, route.gen, route.ids, route.processors)
             with torch.no_grad():
-                out = fast_generate(model, layout.ids, layout.mask, plan.ids, slot, plan.sampler,
+                out = fast_generate(model, layout.ids, layout.mask, route.ids, slot, sampler,
                                     None if streamer is None else _StreamerView(streamer, layout),
-                                    plan.compile_config, plan.new_tokens, rows_per_input=per_input, stop=stop)
+                                    route.compile_config, route.new_tokens, rows_per_input=per_input, stop=stop)
             step_kind = slot.stepper.kind  # after the call: a compile or capture that failed moved it down
             return layout.to_stock(out), kept, step_kind
         call = {k: v for k, v in call.items() if k not in ("inputs", "input_ids", *CACHE_NAMES)}
-        if plan.gen.cache_implementation is not None:  # from the call, its config or the model's: ours is the cache
+        if route.gen.cache_implementation is not None:  # from the call, its config or the model's: ours is the cache
             call["cache_implementation"] = None
         call["attention_mask"] = layout.mask
         call[cache_kwarg_name(model)] = cache
-        _lengths_for_layout(call, layout, plan)
-        _wrap_user_hooks(call, layout, plan)
+        _lengths_for_layout(call, layout, route)
+        _wrap_user_hooks(call, layout, route)
         out = stock(layout.ids, **call)
     finally:
         # a slot whose cache the output hands the caller (return_dict_in_generate) is the caller's now: pooled, a
         # later call would refill the buffers under the caller's continuation
         if slot is not None and (out is None or output_cache(out) is not slot.cache):
-            model._relay_state.give_back_static(slot)
+            relay_state(model).give_back_static(slot)
     if isinstance(out, torch.Tensor):
         return layout.to_stock(out), kept, None
     out.sequences = layout.to_stock(out.sequences)
@@ -227,47 +227,48 @@ def relay_generate(model, *args, **kwargs):
     stock = types.MethodType(type(model).generate, model)
     call = _bind(model, args, kwargs)
     try:
-        plan = decide(model, call)
+        route = decide(model, call)
     except ValueError as err:
         model.relay_last_decision = RelayDecision(False, f"invalid input: {err}")
         raise
-    decision = plan.decision()  # this call's own (the model's attribute is the last call's, of any thread)
+    decision = route.decision()  # this call's own (the model's attribute is the last call's, of any thread)
     model.relay_last_decision = decision
-    if not plan.relay:
-        logger.debug("relay_hf: stock generate (%s)", plan.reason)
-        if not plan.expected:
-            _warn_fallback(plan)
+    if not route.relay:
+        logger.debug("relay_hf: stock generate (%s)", route.reason)
+        if not route.expected:
+            _warn_fallback(route)
         kwargs = {k: v for k, v in kwargs.items() if not (k in CACHE_NAMES and isinstance(v, RelayCache))}
-        if plan.reason != NOT_PATCHED:
-            model._relay_state.counters.add(stock_calls=1)
+        if route.reason != NOT_PATCHED:
+            relay_state(model).counters.add(stock_calls=1)
         return stock(*args, **kwargs)
-    logger.debug("relay_hf: relay generate, prefix %d tokens, %d rows, groups %s", plan.prefix_length, plan.rows,
+    logger.debug("relay_hf: relay generate, prefix %d tokens, %d rows, groups %s", route.prefix_length, route.rows,
                  decision.groups)
     try:
-        out, kept, step = _run_relay(model, stock, call, plan)
+        out, kept, step = _run_relay(model, stock, call, route)
     except BaseException as err:
         model.relay_last_decision = RelayDecision(False, f"relay run failed: {type(err).__name__}: {err}",
-                                                  plan.prefix_length, plan.rows, plan.static,
+                                                  route.prefix_length, route.rows, route.static,
                                                   groups=decision.groups)
         raise
     model.relay_last_decision = dataclasses.replace(decision, prefix_kept=kept,
                                                     decode_step=step if step is not None else decision.decode_step)
-    _count(model, plan, out, kept)
+    _count(model, route, out)
     return out
 
 
-def _count(model, plan: Plan, out, kept: int) -> None:
-    """``relay_hf.stats`` of a relay call, from the call's own ``plan`` (never the model's ``relay_last_decision``,
-    which a concurrent call may have replaced): its decode steps (one per new token after the first), the prefix KV
+def _count(model, route: Route, out) -> None:
+    """``relay_hf.stats`` of a relay call, from the call's own ``route`` (never the model's ``relay_last_decision``,
+    which a concurrent call may have replaced): its decode steps (one per new token after the first) and the prefix KV
     bytes they did not read again (``stats.decode_bytes_not_reread``: per layer, what stock reads of each shared
-    segment per row, under the layer's window, less what relay reads once) and a store hit."""
+    segment per row, under the layer's window, less what relay reads once). A store hit is counted where the prefix
+    is taken (``kept.kept_caches``)."""
     sequences = out if isinstance(out, torch.Tensor) else out.sequences
-    steps = max(0, sequences.shape[1] - plan.ids.shape[1] - 1)  # the first token comes from the prefill
+    steps = max(0, sequences.shape[1] - route.ids.shape[1] - 1)  # the first token comes from the prefill
     segments = []
-    if plan.grouping is not None:
-        tree, paths = plan.grouping.tree, plan.grouping.paths
-        per_input = plan.rows // len(paths)  # beams / return sequences: rows of one input read what it reads
-        firsts = (plan.ids.shape[1] - plan.n_pad.cpu()).tolist()  # each input's prompt length: its first query
+    if route.grouping is not None:
+        tree, paths = route.grouping.tree, route.grouping.paths
+        per_input = route.rows // len(paths)  # beams / return sequences: rows of one input read what it reads
+        firsts = (route.ids.shape[1] - route.n_pad.cpu()).tolist()  # each input's prompt length: its first query
         starts = tree.starts()
         for j, tokens in enumerate(tree.lengths):
             readers = [first for first, path in zip(firsts, paths) if j in path for _ in range(per_input)]
@@ -275,10 +276,9 @@ def _count(model, plan: Plan, out, kept: int) -> None:
     if not any(len(readers) > 1 for _, _, readers in segments):  # one reader each (a chat turn under a kept prompt)
         steps = 0
     layers = list(zip(attention_windows(model), layer_kv_bytes(model)))
-    model._relay_state.counters.add(
-        relay_steps=steps, relay_rows=steps * plan.rows,
-        kv_bytes_not_reread=decode_bytes_not_reread(segments, steps, layers) if steps else 0,
-        prefix_hits=int(kept > 0), prefill_tokens_saved=kept)
+    relay_state(model).counters.add(
+        relay_steps=steps, relay_rows=steps * route.rows,
+        kv_bytes_not_reread=decode_bytes_not_reread(segments, steps, layers) if steps else 0)
 
 
 class RelayGenerate:

@@ -14,6 +14,7 @@ from transformers.cache_utils import CacheLayerMixin
 from transformers.utils import is_torchdynamo_compiling
 
 from .kernels.groups import PrefixGroups
+from .kernels.metadata import StepMetadata
 
 
 class RelayOffset(int):
@@ -26,20 +27,20 @@ class RelayOffset(int):
 
 
 class RelayKV(NamedTuple):
-    """Keys (or values) of one layer as two parts: ``prefix [1, H_kv, P, D]`` and ``suffix [B, H_kv, L_s, D]``.
+    """Keys (or values) of one layer as two parts, ``prefix [1, H_kv, P, D]`` and ``suffix [B, H_kv, L_s, D]``, and
+    where each row is in them: ``step`` (``kernels.StepMetadata``).
 
-    A static cache also hands over where its preallocated suffix is filled, as device tensors (so a captured CUDA
-    graph replays correctly): ``end`` (0-d int64, filled positions) and ``lengths`` (``[B]`` int32, valid positions
-    ending at ``end``: the left padding excluded). A dynamic cache whose rows were laid out by relay_hf hands over
-    ``lengths`` alone; otherwise both are ``None`` and the padding comes from the attention mask. ``groups``: which
-    packed prefix segments each row reads (``PrefixGroups``), or ``None``: every row reads all of ``prefix``.
+    A static cache's step carries where its preallocated suffix is filled, as device tensors (so a captured CUDA
+    graph replays correctly): ``suffix_end`` (0-d int64, filled positions) and ``suffix_lengths`` (``[B]`` int32,
+    valid positions ending at ``suffix_end``: the left padding excluded). A dynamic cache whose rows were laid out by
+    relay_hf carries ``suffix_lengths`` alone; otherwise both are ``None`` and the padding comes from the attention
+    mask. ``step.groups``: which packed prefix segments each row reads (``PrefixGroups``), or ``None``: every row
+    reads all of ``prefix``. ``step.plans`` is shared by the layers of the cache that read one prefix view.
     """
 
     prefix: torch.Tensor
     suffix: torch.Tensor
-    lengths: torch.Tensor | None = None
-    end: torch.Tensor | None = None
-    groups: PrefixGroups | None = None
+    step: StepMetadata
 
 
 class RelayLayer(CacheLayerMixin):
@@ -185,14 +186,15 @@ class RelayLayer(CacheLayerMixin):
         prefix_keys, prefix_values = self._expanded_prefix(self.keys.shape[0])
         return torch.cat([prefix_keys, self.keys], dim=-2), torch.cat([prefix_values, self.values], dim=-2)
 
-    def relay_update(self, key_states: torch.Tensor, value_states: torch.Tensor) -> tuple[RelayKV, RelayKV]:
+    def relay_update(self, key_states: torch.Tensor, value_states: torch.Tensor, plans: dict | None = None
+                     ) -> tuple[RelayKV, RelayKV]:
         """Relay attention's contract: append, and return keys and values as ``RelayKV`` (the prefix stored once).
-        Only a layer with a prefix is asked (``RelayCache.relay_active``)."""
+        Only a layer with a prefix is asked (``RelayCache.relay_active``). ``plans``: the kernel plans the cache's
+        layers of this view share this step (``StepMetadata.plans``)."""
         self.append(key_states, value_states)
-        lengths = self._row_lengths(key_states.device)
-        view = self.view(key_states.shape[0])
-        return (RelayKV(self.prefix_keys, self.keys, lengths, None, view),
-                RelayKV(self.prefix_values, self.values, lengths, None, view))
+        step = StepMetadata(self._row_lengths(key_states.device), None, self.view(key_states.shape[0]),
+                            {} if plans is None else plans)
+        return RelayKV(self.prefix_keys, self.keys, step), RelayKV(self.prefix_values, self.values, step)
 
     def get_seq_length(self) -> int:
         return self.prefix_length + self.suffix_length
@@ -246,8 +248,9 @@ class StaticRelayLayer(RelayLayer):
     and written in place at a position kept on the device, so ``torch.compile`` sees fixed shapes and a CUDA graph
     can replay the decode step. The prefix is shared exactly as in ``RelayLayer``.
 
-    Where each row is filled travels with the keys (``RelayKV.lengths`` / ``RelayKV.end``), so attention needs no
-    mask. ``suffix_padding`` (``[B]`` int) is each row's left padding at the start of its suffix.
+    Where each row is filled travels with the keys (``RelayKV.step``: one ``StepMetadata`` on the layer's fixed
+    extents, kept while its groups view and plans stay), so attention needs no mask. ``suffix_padding`` (``[B]``
+    int) is each row's left padding at the start of its suffix.
     """
 
     is_compileable = True
@@ -260,6 +263,7 @@ class StaticRelayLayer(RelayLayer):
         self.max_suffix_length = max_suffix_length
         self.suffix_padding = suffix_padding
         self._end = self._lengths = None  # 0-d int64 filled positions; [B] int32 valid positions ending there
+        self._step = None  # the StepMetadata of these extents (its tensors never move: one per groups view)
 
     @property
     def keys(self) -> torch.Tensor | None:
@@ -305,6 +309,7 @@ class StaticRelayLayer(RelayLayer):
         if self.suffix_padding.shape != (B,):
             raise ValueError(f"suffix_padding has shape {tuple(self.suffix_padding.shape)}, the batch has {B} rows")
         self._lengths = -self.suffix_padding.to(device=key_states.device, dtype=torch.int32)
+        self._step = None
         if not is_torchdynamo_compiling():  # fixed addresses, so CUDA graphs replay in place (as in StaticLayer)
             for t in (self.prefix_keys, self.prefix_values, self._kbuf, self._vbuf, self._end, self._lengths):
                 torch._dynamo.mark_static_address(t)
@@ -312,7 +317,8 @@ class StaticRelayLayer(RelayLayer):
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         raise ValueError("a static RelayCache needs a prefix and a model patched by relay_hf (relay attention)")
 
-    def relay_update(self, key_states: torch.Tensor, value_states: torch.Tensor) -> tuple[RelayKV, RelayKV]:
+    def relay_update(self, key_states: torch.Tensor, value_states: torch.Tensor, plans: dict | None = None
+                     ) -> tuple[RelayKV, RelayKV]:
         if self.prefix_keys is None:
             raise ValueError("a static RelayCache needs a prefix and a model patched by relay_hf (relay attention)")
         if not self.is_initialized:
@@ -325,8 +331,12 @@ class StaticRelayLayer(RelayLayer):
         self._end.add_(n)
         self._lengths.add_(n)
         view = self.view(self._kbuf.shape[0])
-        return (RelayKV(self.prefix_keys, self._kbuf, self._lengths, self._end, view),
-                RelayKV(self.prefix_values, self._vbuf, self._lengths, self._end, view))
+        step = self._step
+        if is_torchdynamo_compiling():  # a compiled step calls the custom op, which takes tensors, not plans
+            step = StepMetadata(self._lengths, self._end, view)
+        elif step is None or step.groups is not view or (plans is not None and step.plans is not plans):
+            step = self._step = StepMetadata(self._lengths, self._end, view, {} if plans is None else plans)
+        return RelayKV(self.prefix_keys, self._kbuf, step), RelayKV(self.prefix_values, self._vbuf, step)
 
     def get_seq_length(self):
         return self.prefix_length if self._end is None else self._end + self.prefix_length  # a tensor: no host sync

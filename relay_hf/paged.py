@@ -1,18 +1,18 @@
-"""Relay attention over transformers' paged KV cache (continuous batching): one step's layout, planned on the host
-from the cache's read index (``plan_paged_step``), and the attention that runs on it (``paged_relay_attention``).
+"""Relay attention over transformers' paged KV cache (continuous batching): one step's layout, found on the host
+from the cache's read index (``paged_step``), and the attention that runs on it (``paged_relay_attention``).
 
 Continuous batching packs a step's requests into one sequence: request ``i`` owns the query tokens
 ``cu_q[i]:cu_q[i+1]`` and reads its whole KV (cached tokens, then the new ones) through ``read_index[cu_k[i]:
 cu_k[i+1]]``, physical token rows of the paged cache. Requests that hold the same leading blocks (transformers' block
-sharing) list the same physical rows first. The plan finds those runs (a system prompt, then maybe a document shared
-by some of its requests: two levels, as ``PrefixGroups``) and rewrites the read index so the cache's own gather reads
-each shared run once per step instead of once per request::
+sharing) list the same physical rows first. ``paged_step`` finds those runs (a system prompt, then maybe a document
+shared by some of its requests: two levels, as ``PrefixGroups``) and rewrites the read index so the cache's own
+gather reads each shared run once per step instead of once per request::
 
     read_index, stock:  | req 0: S S S a a | req 1: S S S b | req 2: c c c |
     read_index, relay:  | S S S | decoding requests' own rows, left-padded [B, L] | each prefilling request's whole KV |
 
 Relay attention then reads that packed prefix once for all decoding requests, each one's own rows separately, and
-merges them by log-sum-exp (``relay_attention``), exactly. A request that prefills (a prompt or a chunk of one:
+merges them by log-sum-exp (``kernels.attend``), exactly. A request that prefills (a prompt or a chunk of one:
 compute-bound) attends over its whole KV as stock does.
 """
 
@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import torch
 from torch.nn.attention.bias import causal_lower_right
 
-from .kernels import relay_attention
+from .kernels import AttentionOptions, StepMetadata, attend
 from .kernels.groups import PrefixGroups
 
 MAX_DEPTH = 2  # shared levels per request (PrefixGroups' tree): a system prompt, then a document under it
@@ -39,20 +39,20 @@ class RowBlock:
         rows, length: ``B`` requests, each padded to ``length`` KV positions: the block spans ``B * length``.
         query_index: each request's query position in the step's packed queries: a ``slice`` where they are
             consecutive (the scheduler puts decoding requests first: views, no gather), else ``[B]`` int64.
-        suffix_lengths: ``[B]`` int32 each request's own KV positions (the last ones of its padded row).
-        groups: which prefix segments each request reads, ``None`` when every request reads the whole packed prefix.
+        step: the block's ``StepMetadata``: ``suffix_lengths [B]`` int32 each request's own KV positions (the last
+            ones of its padded row), ``groups`` which prefix segments each request reads (``None`` when every
+            request reads the whole packed prefix), and the kernel plans the step's layers share.
     """
 
     start: int
     rows: int
     length: int
     query_index: slice | torch.Tensor
-    suffix_lengths: torch.Tensor
-    groups: PrefixGroups | None
+    step: StepMetadata
 
 
 @dataclass(frozen=True)
-class PagedPlan:
+class PagedStep:
     """One continuous-batching step laid out for relay attention (built once per step, read by every layer).
 
     Attributes:
@@ -118,9 +118,9 @@ def _shared_segments(source: torch.Tensor, starts: torch.Tensor, past: torch.Ten
     return segments, paths
 
 
-def plan_paged_step(read_index: torch.Tensor, cu_q: list[int], cu_k: list[int], min_shared: int,
-                    device: torch.device) -> PagedPlan:
-    """Plan one step: find the runs decoding requests share and lay the KV out as the module docstring shows.
+def paged_step(read_index: torch.Tensor, cu_q: list[int], cu_k: list[int], min_shared: int,
+               device: torch.device) -> PagedStep:
+    """Lay one step out: find the runs decoding requests share and lay the KV out as the module docstring shows.
 
     Args:
         read_index: ``[N]`` int64 physical rows each request reads, request after request (CPU or device); empty
@@ -133,7 +133,7 @@ def plan_paged_step(read_index: torch.Tensor, cu_q: list[int], cu_k: list[int], 
     queries = [cu_q[i + 1] - cu_q[i] for i in range(R)]
     if read_index.numel() == 0:
         prefill = tuple((cu_q[i], cu_q[i + 1], cu_k[i], cu_k[i + 1]) for i in range(R) if queries[i])
-        return PagedPlan(None, 0, None, prefill, cu_q[-1], 0)
+        return PagedStep(None, 0, None, prefill, cu_q[-1], 0)
     source = read_index.cpu()
     decoding = [i for i in range(R) if queries[i] == 1]
     starts = torch.tensor([cu_k[i] for i in decoding], dtype=torch.int64)
@@ -157,7 +157,7 @@ def plan_paged_step(read_index: torch.Tensor, cu_q: list[int], cu_k: list[int], 
         contiguous = bool((query_at == query_at[0] + torch.arange(len(decoding))).all())
         block = RowBlock(start, len(decoding), L,
                          slice(int(query_at[0]), int(query_at[0]) + len(decoding)) if contiguous else
-                         query_at.to(device), mine.to(device=device, dtype=torch.int32), groups)
+                         query_at.to(device), StepMetadata(mine.to(device=device, dtype=torch.int32), None, groups))
         start += len(decoding) * L
     prefill = []
     for i in range(R):
@@ -166,57 +166,54 @@ def plan_paged_step(read_index: torch.Tensor, cu_q: list[int], cu_k: list[int], 
             prefill.append((cu_q[i], cu_q[i + 1], start, start + cu_k[i + 1] - cu_k[i]))
             start += cu_k[i + 1] - cu_k[i]
     readers = [sum(j in p for p in paths) for j in range(len(segments))]
-    return PagedPlan(torch.cat(parts).to(device), sum(lengths), block, tuple(prefill), cu_q[-1],
+    return PagedStep(torch.cat(parts).to(device), sum(lengths), block, tuple(prefill), cu_q[-1],
                      sum((r - 1) * n for r, n in zip(readers, lengths)))
 
 
-def paged_relay_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, plan: PagedPlan, *,
-                          scale: float | None = None, softcap: float | None = None,
-                          sinks: torch.Tensor | None = None) -> torch.Tensor:
+def paged_relay_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, step: PagedStep,
+                          options: AttentionOptions) -> torch.Tensor:
     """Relay attention of one continuous-batching step.
 
     Args:
-        query: ``[1, H_q, T', D]`` the step's packed queries (``T' >= plan.tokens``).
+        query: ``[1, H_q, T', D]`` the step's packed queries (``T' >= step.tokens``).
         key, value: ``[1, H_kv, N, D]`` / ``[1, H_kv, N, D_v]`` the KV the cache gathered through
-            ``plan.read_index`` (or, when the step reads no cache, the step's new KV as it is), any strides.
+            ``step.read_index`` (or, when the step reads no cache, the step's new KV as it is), any strides.
+        options: the module's ``AttentionOptions``.
 
     Returns:
         ``[1, T', H_q, D_v]`` (an attention function's layout); positions no request owns are zeros.
     """
     H_q, T = query.shape[1], query.shape[2]
     D_v = value.shape[-1]
-    blk = plan.decode
-    whole = blk is not None and not plan.prefill and blk.rows == T and isinstance(blk.query_index, slice)
+    blk = step.decode
+    whole = blk is not None and not step.prefill and blk.rows == T and isinstance(blk.query_index, slice)
     out = None if whole else query.new_zeros(T, H_q, D_v)  # a decode-only step answers every position itself
     if blk is not None:
-        P = plan.prefix_length
+        P = step.prefix_length
         span = slice(blk.start, blk.start + blk.rows * blk.length)
         # [H_kv, B * L, D] -> [B, H_kv, L, D]: a view (the gathered KV is token-major)
         suffix_key = key[0, :, span].unflatten(1, (blk.rows, blk.length)).transpose(0, 1)
         suffix_value = value[0, :, span].unflatten(1, (blk.rows, blk.length)).transpose(0, 1)
         q = query[0][:, blk.query_index].transpose(0, 1).unsqueeze(2)  # [B, H_q, 1, D] (a view when contiguous)
-        o = relay_attention(q, key[:, :, :P], value[:, :, :P], suffix_key, suffix_value, scale=scale,
-                            suffix_lengths=blk.suffix_lengths, softcap=softcap, sinks=sinks,
-                            prefix_groups=blk.groups)  # [B, H_q, 1, D_v]
+        o = attend(blk.step, options, q, key[:, :, :P], value[:, :, :P], suffix_key, suffix_value)  # [B, H_q, 1, D_v]
         if whole:
             return o[:, :, 0].unsqueeze(0)
         out[blk.query_index] = o[:, :, 0]
-    for q_start, q_end, kv_start, kv_end in plan.prefill:
+    for q_start, q_end, kv_start, kv_end in step.prefill:
         out[q_start:q_end] = _prefill_attention(query[:, :, q_start:q_end], key[:, :, kv_start:kv_end],
-                                                value[:, :, kv_start:kv_end], scale, softcap, sinks)
+                                                value[:, :, kv_start:kv_end], options)
     return out.unsqueeze(0)
 
 
-def _prefill_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float | None,
-                       softcap: float | None, sinks: torch.Tensor | None) -> torch.Tensor:
+def _prefill_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                       options: AttentionOptions) -> torch.Tensor:
     """One request's queries ``[1, H_q, L_q, D]`` over its whole KV ``[1, H_kv, L_k, D]``, causal with the queries
-    last: SDPA, as stock's continuous batching (relay's exact kernels where SDPA lacks the softcap or sinks).
+    last: SDPA, as stock's continuous batching (relay's exact kernels where SDPA lacks the options' softmax).
     Returns ``[L_q, H_q, D_v]``."""
-    if softcap is None and sinks is None:
+    if options.plain_softmax:
         out = torch.nn.functional.scaled_dot_product_attention(
-            query, key, value, attn_mask=causal_lower_right(query.shape[2], key.shape[2]), scale=scale,
+            query, key, value, attn_mask=causal_lower_right(query.shape[2], key.shape[2]), scale=options.scale,
             enable_gqa=True)
     else:
-        empty = key[:, :, :0]
-        out = relay_attention(query, empty, value[:, :, :0], key, value, scale=scale, softcap=softcap, sinks=sinks)
+        out = attend(StepMetadata(), options, query, key[:, :, :0], value[:, :, :0], key, value)
     return out[0].transpose(0, 1)

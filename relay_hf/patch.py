@@ -17,10 +17,10 @@ from . import attention
 from ._compat import attn_implementation, cached_continuous_manager, can_set_attn_implementation
 from .continuous import RelayContinuousBatching
 from .generate import RelayFallbackWarning, RelayGenerate
+from .loop_rules import DECODE_MODES
 from .names import is_relay_name
-from .policy import DECODE_MODES
 from .probe import probe_reason
-from .state import RelayState
+from .state import RelayState, attach_state, detach_state, relay_state
 from .store import checked_budget
 
 DEFAULT_MIN_PREFIX_LENGTH = 32
@@ -30,7 +30,7 @@ _SUPPORTED_LAYER_TYPES = {"full_attention", "sliding_attention"}
 
 def unsupported_reason(model) -> str | None:
     """Why relay cannot be exact for this model by its configuration (ALiBi, chunked attention, exotic layers...),
-    or ``None``. Logit softcapping, attention sinks and sliding windows are served (``relay_attention``). ``patch``
+    or ``None``. Logit caps, attention sinks and sliding windows are served (``kernels.AttentionOptions``). ``patch``
     also runs a probe forward (``probe.probe_reason``) for what a config cannot tell."""
     config = model.config
     text = config.get_text_config(decoder=True)
@@ -92,7 +92,7 @@ def patch(model, *, min_prefix_length: int = DEFAULT_MIN_PREFIX_LENGTH, decode: 
     Args:
         model: a transformers causal LM. Patched in place (this instance only) and returned.
         min_prefix_length: shortest common prefix (tokens) worth a separate prefill; shorter runs stock.
-        decode: which loop decodes (``policy.loop_wanted``). ``"auto"``: relay_hf's loop on CUDA, each step
+        decode: which loop decodes (``loop_rules.loop_choice_reason``). ``"auto"``: relay_hf's loop on CUDA, each step
             replayed as CUDA graphs; for fp16 / bf16 models the step's decoder layer is compiled by inductor first
             (one layer's graph serves every layer, batch bucket and prompt length; its artifacts are kept across
             processes, ``relay_hf.artifacts``), fp32 captures the eager step; transformers' loop elsewhere.
@@ -117,23 +117,13 @@ def patch(model, *, min_prefix_length: int = DEFAULT_MIN_PREFIX_LENGTH, decode: 
     (another model of that head size, or a second ``patch``, takes milliseconds; Triton's disk cache shortens it in
     later processes). On a CPU the probe takes well under a second.
     """
-    _check_model(model, "patch")
-    if not isinstance(min_prefix_length, int) or isinstance(min_prefix_length, bool) or min_prefix_length < 0:
-        raise ValueError(f"min_prefix_length must be a non-negative int, got {min_prefix_length!r}")
-    if decode not in DECODE_MODES:
-        raise ValueError(f"decode must be one of {DECODE_MODES}, got {decode!r}")
-    budget = checked_budget(prefix_cache_bytes) if prefix_cache_bytes is not None else None
-    if hasattr(model, "_orig_mod"):  # torch.compile's wrapper: no generate of its own to patch
-        raise ValueError("relay_hf.patch needs the model itself, not a torch.compile wrapper: patch the model, then "
-                         "compile its forward if you like (or ask generate for a compiled decode with "
-                         "cache_implementation='static')")
-    if is_patched(model):
-        state = model._relay_state
+    budget = _checked_arguments(model, min_prefix_length, decode, prefix_cache_bytes)
+    state = relay_state(model)
+    if state is not None:  # patched already: new settings
         state.min_prefix_length = min_prefix_length
         state.decode = decode
         if budget is not None:
-            state.store.budget_bytes = budget
-            state.store.trim()
+            state.store.resize(budget)
         return model
     original = attn_implementation(model.config)
     reason = unsupported_reason(model)
@@ -151,12 +141,28 @@ def patch(model, *, min_prefix_length: int = DEFAULT_MIN_PREFIX_LENGTH, decode: 
                       stacklevel=2)
     if budget is None:
         budget = default_prefix_cache_bytes(model)
-    model._relay_state = RelayState(original, min_prefix_length, reason, decode, budget)
+    attach_state(model, RelayState(original, min_prefix_length, reason, decode, budget))
     model.relay_last_decision = None
     model.generate = RelayGenerate(model)
     if reason is None:  # a declined model's continuous batching is stock's, untouched
         model.init_continuous_batching = RelayContinuousBatching(model)
     return model
+
+
+def _checked_arguments(model, min_prefix_length, decode: str, prefix_cache_bytes) -> int | None:
+    """``patch``'s arguments checked before anything changes (``TypeError`` / ``ValueError`` naming the bad one);
+    returns the store budget asked for (``None``: none)."""
+    _check_model(model, "patch")
+    if not isinstance(min_prefix_length, int) or isinstance(min_prefix_length, bool) or min_prefix_length < 0:
+        raise ValueError(f"min_prefix_length must be a non-negative int, got {min_prefix_length!r}")
+    if decode not in DECODE_MODES:
+        raise ValueError(f"decode must be one of {DECODE_MODES}, got {decode!r}")
+    budget = checked_budget(prefix_cache_bytes) if prefix_cache_bytes is not None else None
+    if hasattr(model, "_orig_mod"):  # torch.compile's wrapper: no generate of its own to patch
+        raise ValueError("relay_hf.patch needs the model itself, not a torch.compile wrapper: patch the model, then "
+                         "compile its forward if you like (or ask generate for a compiled decode with "
+                         "cache_implementation='static')")
+    return budget
 
 
 def unpatch(model):
@@ -167,7 +173,7 @@ def unpatch(model):
     continuous-batching form of it, which the manager undoes as it stops), and stays on it when the manager stops
     (``RelayContinuousBatching.release``)."""
     _check_model(model, "unpatch")
-    if "_relay_state" not in model.__dict__:
+    if relay_state(model) is None:
         return model
     continuous = model.__dict__.get("init_continuous_batching")
     if isinstance(continuous, RelayContinuousBatching):
@@ -175,7 +181,7 @@ def unpatch(model):
     cached = cached_continuous_manager(model)
     if cached is not None and getattr(cached, "_relay_built", False):  # kept by a relay call: made for relay's name
         model.destroy_cached_continuous_batching_manager()
-    state = model.__dict__.pop("_relay_state")
+    state = detach_state(model)
     model.__dict__.pop("generate", None)
     model.__dict__.pop("relay_last_decision", None)
     model.__dict__.pop("relay_continuous_reason", None)
@@ -187,7 +193,7 @@ def unpatch(model):
 
 def is_patched(model) -> bool:
     """Whether ``model`` is patched by ``relay_hf.patch`` (``False`` for anything that is not a model)."""
-    return "_relay_state" in getattr(model, "__dict__", {})
+    return relay_state(model) is not None
 
 
 # relay states patched by holders (pipelines) -> [state, holders alive on it]; the state is kept so its id stays unique.
@@ -203,8 +209,9 @@ def hold_patch(model):
     with _HELD_LOCK:
         if not is_patched(model):
             patch(model)
-            _HELD[id(model._relay_state)] = [model._relay_state, 0]
-        held = _HELD.get(id(model._relay_state))
+            ours = relay_state(model)
+            _HELD[id(ours)] = [ours, 0]
+        held = _HELD.get(id(relay_state(model)))
         if held is None:
             return None
         held[1] += 1
@@ -216,16 +223,16 @@ def hold_patch(model):
             if held[1] > 0:
                 return
             del _HELD[id(state)]
-            if model.__dict__.get("_relay_state") is state:  # unpatched (or re-patched) by its owner meanwhile: theirs
+            if relay_state(model) is state:  # unpatched (or re-patched) by its owner meanwhile: theirs
                 unpatch(model)
 
     return release
 
 
 def clear_prefixes(model) -> None:
-    """Drop every prefilled prefix ``model`` keeps between calls (``ValueError`` for a model ``patch`` has not
-    patched)."""
+    """Drop every prefilled prefix ``model`` keeps between calls, pinned ones too (``ValueError`` for a model
+    ``patch`` has not patched)."""
     _check_model(model, "clear_prefixes")
     if not is_patched(model):
         raise ValueError("relay_hf.clear_prefixes takes a model patched by relay_hf.patch")
-    model._relay_state.store.clear()
+    relay_state(model).store.clear()

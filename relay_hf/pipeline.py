@@ -29,6 +29,7 @@ what its rows share itself, or runs stock.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import threading
 import types
@@ -41,16 +42,17 @@ from transformers.pipelines import PIPELINE_REGISTRY
 
 from ._compat import cache_kwarg_name, chat_messages, pipeline_chat
 from .cache import RelayCache
+from .cache_check import cache_grouping, rows_matched
+from .kept import kept_caches, prefix_store
 from .patch import hold_patch
-from .policy import CACHE_NAMES, keep_reason, prefix_store
-from .prefill import segment_key
-from .prefix import PrefixTree, common_prefix_length, left_padding
+from .pinning import chat_prefix_ids
+from .policy import CACHE_NAMES, keep_reason
+from .prefix import Grouping, PrefixTree, left_padding
 from .state import relay_state
-from .store import PrefixStore, checked_budget
+from .store import PrefixKey, PrefixStore, checked_budget
 
 TASK = "relay-text-generation"
 # two user turns that differ from their first character, to find where the rendered conversations diverge
-_PROBES = ("A", "7")
 _SYSTEM = "relay_system_prompt"  # the key under which preprocessing hands a row's system prompt to _forward
 _NO_SYSTEM = object()  # a call-time system_prompt that was not given
 
@@ -92,8 +94,8 @@ class RelayTextGenerationPipeline(TextGenerationPipeline):
         self._system_prompt = system_prompt
         self._lock = threading.RLock()
         release = hold_patch(self.model)
-        if prefix_cache_bytes is not None and relay_state(self.model) is not None:
-            self.prefix_cache_bytes = prefix_cache_bytes
+        if prefix_cache_bytes is not None and self._store is not None:
+            self._store.resize(prefix_cache_bytes)
         self._finalizer = weakref.finalize(self, release) if release is not None else None
         if self._finalizer is not None:
             self._finalizer.atexit = False  # at interpreter exit nothing needs restoring
@@ -123,11 +125,11 @@ class RelayTextGenerationPipeline(TextGenerationPipeline):
 
     @prefix_cache_bytes.setter
     def prefix_cache_bytes(self, value: int) -> None:
-        value = checked_budget(value)
         store = self._store
-        if store is not None:
-            store.budget_bytes = value
-            store.trim()
+        if store is None:
+            checked_budget(value)  # refused even with no store to take it
+        else:
+            store.resize(value)
 
     def close(self) -> None:
         """Drop the prefilled system prompts and let go of the patch this pipeline applied (see the class docstring);
@@ -148,31 +150,9 @@ class RelayTextGenerationPipeline(TextGenerationPipeline):
     def __call__(self, text_inputs, *args, system_prompt=_NO_SYSTEM, **kwargs):
         """Stock's call; ``system_prompt``: one string for every input of this call, or a list as long as a list of
         inputs (one per input, ``None`` for none)."""
-        if system_prompt is _NO_SYSTEM:
-            return super().__call__(text_inputs, *args, **kwargs)
-        if isinstance(system_prompt, (list, tuple)):
-            if not isinstance(text_inputs, (list, tuple)) or _is_chat(text_inputs):
-                raise ValueError("a list of system prompts needs a list of inputs, one prompt per input")
-            if len(system_prompt) != len(text_inputs):
-                raise ValueError(f"{len(system_prompt)} system prompts for {len(text_inputs)} inputs")
-            items = [_Item(x, s, i) for i, (x, s) in enumerate(zip(text_inputs, system_prompt))]
-            return super().__call__(items, *args, **kwargs)
-        if system_prompt is not None and not isinstance(system_prompt, str):
-            raise ValueError(f"system_prompt must be a string, a list of them or None, got "
-                             f"{type(system_prompt).__name__}")
-        if isinstance(text_inputs, (list, tuple)) and not _is_chat(text_inputs):
-            return super().__call__([_Item(x, system_prompt, i) for i, x in enumerate(text_inputs)], *args,
-                                    **kwargs)
-        if isinstance(text_inputs, str) or _is_chat(text_inputs):
-            return super().__call__(_Item(text_inputs, system_prompt, 0), *args, **kwargs)
-        if isinstance(text_inputs, torch.utils.data.Dataset) and hasattr(text_inputs, "__getitem__") and hasattr(
-                text_inputs, "__len__"):  # a map-style dataset (KeyDataset...): stays a dataset, streamed lazily
-            return super().__call__(_ItemDataset(text_inputs, system_prompt), *args, **kwargs)
-        if isinstance(text_inputs, (types.GeneratorType, torch.utils.data.IterableDataset)):
-            items = (_Item(x, system_prompt, i) for i, x in enumerate(text_inputs))
-            return super().__call__(items, *args, **kwargs)
-        raise ValueError(f"a call's system_prompt goes with a string, a chat, a list of them, a generator or a "
-                         f"dataset, not a {type(text_inputs).__name__}")
+        if system_prompt is not _NO_SYSTEM:
+            text_inputs = _with_call_prompt(text_inputs, system_prompt)
+        return super().__call__(text_inputs, *args, **kwargs)
 
     def _with_system(self, item) -> tuple[object, str | None]:
         """``item`` as the conversation to render (a chat that starts with a system message, unless it has no
@@ -210,14 +190,7 @@ class RelayTextGenerationPipeline(TextGenerationPipeline):
         system_prompt = self._system_prompt if system_prompt is None else system_prompt
         if system_prompt is None:
             return None
-        rendered = [self.tokenizer.apply_chat_template(
-            [{"role": "system", "content": system_prompt}, {"role": "user", "content": probe}],
-            tokenize=True, add_generation_prompt=True, return_dict=True)["input_ids"] for probe in _PROBES]
-        rows = [torch.as_tensor(r).flatten() for r in rendered]
-        T = max(len(r) for r in rows)
-        ids = torch.stack([torch.nn.functional.pad(r, (T - len(r), 0)) for r in rows])  # left-padded
-        P = common_prefix_length(ids, torch.tensor([T - len(r) for r in rows]))
-        return rows[0][:P] if P > 0 else None
+        return chat_prefix_ids(self.tokenizer, system_prompt)
 
     def prefix_cache(self, system_prompt: str | None = None) -> RelayCache | None:
         """The ``RelayCache`` of ``system_prompt`` (default: the pipeline's), prefilled on first use and kept;
@@ -225,10 +198,10 @@ class RelayTextGenerationPipeline(TextGenerationPipeline):
         system_prompt = self._system_prompt if system_prompt is None else system_prompt
         return self._caches_for([system_prompt])[0][0] if system_prompt is not None else None
 
-    def _caches_for(self, system_prompts) -> tuple[list[RelayCache | None], list[tuple]]:
-        """One ``RelayCache`` per system prompt (``kept_caches``) and their store keys."""
+    def _caches_for(self, system_prompts) -> tuple[list[RelayCache | None], list[PrefixKey]]:
+        """One ``RelayCache`` per system prompt (``_system_caches``) and their store keys."""
         with self._lock:
-            return kept_caches(self.model, [self.prefix_ids(p) for p in system_prompts])
+            return _system_caches(self.model, [self.prefix_ids(p) for p in system_prompts])
 
     def kept_system_prompts(self) -> int:
         """How many prefilled prefixes the model keeps now (this pipeline's system prompts, and what its
@@ -240,7 +213,7 @@ class RelayTextGenerationPipeline(TextGenerationPipeline):
         if not isinstance(system_prompts, list):  # batch size 1: the item's own value
             system_prompts = [system_prompts]
         ids, mask = model_inputs["input_ids"], model_inputs.get("attention_mask")
-        used = []
+        used, matched = [], contextlib.nullcontext()
         if (ids.shape[1] > 0 and None not in system_prompts
                 and not any(generate_kwargs.get(name) is not None for name in CACHE_NAMES)):
             distinct = list(dict.fromkeys(system_prompts))
@@ -249,37 +222,29 @@ class RelayTextGenerationPipeline(TextGenerationPipeline):
                 # one cache holding them all (a job whose batches mix the same few prompts packs them once)
                 cache = caches[0] if len(caches) == 1 else packed_cache(self._store, used, caches)
                 n_pad = left_padding(mask if mask is not None else torch.ones_like(ids))
-                if n_pad is not None and _matches(cache, ids, n_pad):
+                grouping = None if n_pad is None else _grouping(cache, ids, n_pad)
+                if grouping is not None:  # generate takes this match of the rows instead of matching them again
                     generate_kwargs[cache_kwarg_name(self.model)] = cache
+                    matched = rows_matched(cache, ids, n_pad, grouping)
         store = self._store
-        if store is None or not used:
-            return super()._forward(model_inputs, **generate_kwargs)
-        with store.holding(used):  # another thread's batch does not evict this one's prompts meanwhile
+        # another thread's batch does not evict this one's prompts meanwhile
+        held = contextlib.nullcontext() if store is None or not used else store.holding(used)
+        with matched, held:
             return super()._forward(model_inputs, **generate_kwargs)
 
 
-def kept_caches(model, prefixes: list) -> tuple[list[RelayCache | None], list[tuple]]:
-    """One ``RelayCache`` per prefix (``[P]`` ids, or ``None``: no prefix, no cache), its KV taken from the model's
-    prefix store where it was kept for the model as it is now, else prefilled and kept; then the least recently used
-    are dropped down to the store's budget (these excepted). ``None`` for every prefix when none may be kept now
-    (``policy.keep_reason``). Also returns their store keys, for the call to hold while it runs."""
+def _system_caches(model, prefixes: list) -> tuple[list[RelayCache | None], list[PrefixKey]]:
+    """One ``RelayCache`` per prefix (``[P]`` ids, or ``None``: no prefix, no cache), from the model's prefix store
+    (``kept.kept_caches``: taken where kept for the model as it is now, else prefilled and kept; the store trimmed
+    after). ``None`` for every prefix when none may be kept now (``policy.keep_reason``). Also returns their store
+    keys, for the call to hold while it runs."""
     if keep_reason(model) is not None:
         return [None for _ in prefixes], []
     store, depends = prefix_store(model)
-    out, used = [], []
-    for ids in prefixes:
-        if ids is None:
-            out.append(None)
-            continue
-        tree = PrefixTree.from_prefixes([ids])
-        cache = RelayCache.from_tree(model, tree, store, depends)
-        if cache.kept_tokens:
-            relay_state(model).counters.add(prefix_hits=1, prefill_tokens_saved=cache.kept_tokens)
-        out.append(cache)
-        used.append(segment_key(tree, 0))
-    if store is not None:
-        store.trim(keep=used)
-    return out, used
+    caches, keys = kept_caches(model, [PrefixTree.from_prefixes([ids]) for ids in prefixes if ids is not None], store,
+                               depends)
+    built = iter(caches)
+    return [None if ids is None else next(built) for ids in prefixes], keys
 
 
 def packed_cache(store: PrefixStore | None, keys: list[tuple], caches: list[RelayCache]) -> RelayCache:
@@ -288,6 +253,32 @@ def packed_cache(store: PrefixStore | None, keys: list[tuple], caches: list[Rela
     if store is None or not all(k in store for k in keys):
         return RelayCache.combine(caches)
     return store.packed(keys, lambda _: RelayCache.combine(caches))
+
+
+def _with_call_prompt(text_inputs, system_prompt):
+    """``text_inputs`` in the same form (a list, one item, a dataset, a generator) with a call's ``system_prompt`` (one
+    string or ``None`` for every input, or a list of them, one per input of a list) carried by each item (``_Item``);
+    ``ValueError`` for a prompt that does not fit the inputs."""
+    if isinstance(system_prompt, (list, tuple)):
+        if not isinstance(text_inputs, (list, tuple)) or _is_chat(text_inputs):
+            raise ValueError("a list of system prompts needs a list of inputs, one prompt per input")
+        if len(system_prompt) != len(text_inputs):
+            raise ValueError(f"{len(system_prompt)} system prompts for {len(text_inputs)} inputs")
+        return [_Item(x, s, i) for i, (x, s) in enumerate(zip(text_inputs, system_prompt))]
+    if system_prompt is not None and not isinstance(system_prompt, str):
+        raise ValueError(f"system_prompt must be a string, a list of them or None, got "
+                         f"{type(system_prompt).__name__}")
+    if isinstance(text_inputs, (list, tuple)) and not _is_chat(text_inputs):
+        return [_Item(x, system_prompt, i) for i, x in enumerate(text_inputs)]
+    if isinstance(text_inputs, str) or _is_chat(text_inputs):
+        return _Item(text_inputs, system_prompt, 0)
+    if isinstance(text_inputs, torch.utils.data.Dataset) and hasattr(text_inputs, "__getitem__") and hasattr(
+            text_inputs, "__len__"):  # a map-style dataset (KeyDataset...): stays a dataset, streamed lazily
+        return _ItemDataset(text_inputs, system_prompt)
+    if isinstance(text_inputs, (types.GeneratorType, torch.utils.data.IterableDataset)):
+        return (_Item(x, system_prompt, i) for i, x in enumerate(text_inputs))
+    raise ValueError(f"a call's system_prompt goes with a string, a chat, a list of them, a generator or a "
+                     f"dataset, not a {type(text_inputs).__name__}")
 
 
 class _ItemDataset(torch.utils.data.Dataset):
@@ -326,16 +317,13 @@ def _is_chat(value) -> bool:
     return chat_messages(value) is not None
 
 
-
-
-
-def _matches(cache: RelayCache, ids: torch.Tensor, n_pad: torch.Tensor) -> bool:
-    """Every row starts with one of ``cache``'s prefixes (with a token after it)."""
+def _grouping(cache: RelayCache, ids: torch.Tensor, n_pad: torch.Tensor) -> Grouping | None:
+    """Each row's path in ``cache``'s prefixes (``cache_check.cache_grouping``), or ``None`` when a row starts with
+    none of them (with a token after it): the batch then runs without the cache."""
     try:
-        cache.tree.match(ids, n_pad)
+        return cache_grouping(cache, ids, n_pad)
     except (ValueError, AttributeError):
-        return False
-    return True
+        return None
 
 
 def _left_padding_tokenizer(tokenizer):

@@ -1,4 +1,4 @@
-"""Every relay-or-stock rule in one place: ``decide(model, call)`` returns one frozen ``Plan`` per ``generate`` call.
+"""Every relay-or-stock rule in one place: ``decide(model, call)`` returns one frozen ``Route`` per ``generate`` call.
 
 The rules, in the order they are checked:
 
@@ -6,38 +6,38 @@ The rules, in the order they are checked:
 2. the call: a ``RelayCache`` or no cache, 2D integer ids, no feature that reads the prompt's token order or needs
    per-position outputs (those run stock: relay reorders each row's pads behind the shared prefix), left padding;
 3. the batch: shared prefixes that pay (``prefix.find_groups`` picks the system prompts, and blocks under them,
-   that save the most KV reads; ``relay_pays``; numbers in docs/performance.md), or the prefixes of the caller's
-   ``RelayCache`` (each row reads the longest it starts with), within the position range;
+   that save the most KV reads; ``cost_reason``; numbers in docs/performance.md), or the prefixes of the caller's
+   ``RelayCache`` (each row reads the longest it starts with), within the position range and the RoPE rules
+   (``rope.py``);
 4. the loop: relay_hf's decode loop (captured as CUDA graphs on CUDA; the default there, ``patch(model, decode=...)``
-   chooses) where it reproduces stock token for token (``loop_reason``), else transformers' loop: on a static
-   ``RelayCache`` when the call asks for one (``cache_implementation="static"``), else on a dynamic one.
+   chooses) where it reproduces stock token for token, else transformers' loop: on a static ``RelayCache`` when the
+   call asks for one (``cache_implementation="static"``), else on a dynamic one (``loop_rules.py``).
 
-Stock plans carry ``expected``: ``False`` where the user would have gained from relay (``generate`` then warns once
+The route only says what runs: what a call reads from the model's prefix store is taken when it runs (``kept.py``),
+and relay_hf's loop builds its ``sampling.Sampler`` from the processors judged here.
+
+Stock routes carry ``expected``: ``False`` where the user would have gained from relay (``generate`` then warns once
 per reason through the ``relay_hf`` logger); ``True`` for the ordinary cases (one row, a short prefix, not patched).
 """
 
 from __future__ import annotations
 
 import inspect
-import warnings
 from dataclasses import dataclass, field
 
 import torch
 from transformers import CompileConfig, GenerationConfig
 
-from ._compat import (
-    attn_implementation,
-    cache_recomputed_past,
-    compile_all_devices,
-    masks_skip_paged_cache,
-    resolve_generation_config,
-)
+from ._compat import attn_implementation, masks_skip_paged_cache, resolve_generation_config
 from .cache import RelayCache
-from .decode import DEFAULT_DECODE, Sampler, loop_sampler
+from .cache_check import check_cache
+from .loop_rules import decode_step, loop_choice_reason, loop_reason, static_shape
 from .names import is_paged_name, is_relay_name
-from .prefill import layer_windows, trim_window
-from .prefix import Grouping, PrefixTree, common_prefix_length, find_groups, left_padding
-from .store import kv_dependencies
+from .prefix import Grouping, PrefixTree, common_prefix_length, find_groups, left_padding, split_at_pinned
+from .rope import rope_reason
+from .sampling import LoopProcessors, loop_processors
+from .state import relay_state
+from .step import DEFAULT_DECODE
 
 # rows * prefix tokens below which the CUDA relay kernel is not measured to beat SDPA over the expanded prefix
 # (B=8, S=512: 1.31x; docs/performance.md, kernel table)
@@ -60,20 +60,6 @@ _STOCK_FIELDS = {
     "use_mtp": (None, False), "speculation_type": (None,),
     "diversity_penalty": (None, 0.0), "constraints": (None,), "force_words_ids": (None,),
 }
-# generation-config fields (with their neutral values) relay_hf's loop does not serve; logits processors are judged
-# one by one (``decode.loop_sampler``)
-_LOOP_NEUTRAL = {
-    "num_beams": (None, 1), "max_time": (None,), "return_dict_in_generate": (None, False),
-    "output_scores": (None, False), "output_logits": (None, False), "synced_gpus": (None, False),
-}
-# generate() arguments that are not generation-config fields and that relay_hf's loop handles (or that must be empty)
-_LOOP_ARGS = {"inputs", "input_ids", "attention_mask", "generation_config", "streamer", "logits_processor",
-              "stopping_criteria", "use_model_defaults", "tokenizer", "cache", "past_key_values", "synced_gpus",
-              "compile_config"}
-DECODE_MODES = ("auto", "graph", "compile", "eager")
-# how relay_hf's loop runs a decode step: its forward compiled by inductor (then replayed as CUDA graphs on CUDA), the
-# eager forward captured and replayed as CUDA graphs, or the eager forward run as it is (off CUDA)
-DECODE_STEPS = ("compiled", "cuda graph", "eager ops")
 TRAINING = "the model is in training mode (call model.eval())"
 NOT_PATCHED = "the model is not patched (relay_hf.patch)"
 
@@ -86,7 +72,7 @@ class RelayDecision:
     ``static``: it ran on a static (compileable) ``RelayCache``; ``fast_decode``: relay_hf's own decode loop (CUDA
     graphs per step on CUDA, no host sync per token) ran it, else transformers' loop did (``loop_reason`` says
     why); ``prefix_kept``: shared tokens taken from the model's prefix store (kept from an earlier call) instead of
-    prefilled; ``decode_step``: how relay_hf's loop runs each step (``DECODE_STEPS``; ``""`` off that loop), which
+    prefilled; ``decode_step``: how relay_hf's loop runs each step (``loop_rules.DECODE_STEPS``; ``""`` off it), which
     is what ``patch(model, decode=...)`` asked for only where the device allows it (``decode="compile"`` compiles
     on CUDA, or for a ``CompileConfig`` with ``_compile_all_devices``; elsewhere the loop runs eager ops)."""
 
@@ -103,23 +89,24 @@ class RelayDecision:
 
 
 @dataclass(frozen=True, eq=False)
-class Plan:
-    """One call's decision and what running it needs.
+class Route:
+    """One call's route, relay or stock, and what running it needs.
 
     Attributes:
         relay: relay serves the call; else stock ``generate`` runs it unchanged (a ``RelayCache`` argument removed).
-        reason: ``"relay"`` or why not. ``expected``: a stock plan the user would expect (no warning).
+        reason: ``"relay"`` or why not. ``expected``: a stock route the user would expect (no warning).
         rows: sequences decoded (batch x beams / return sequences). ``prefix_length``: shared tokens ``P``.
         static: a static (compileable) ``RelayCache``; ``fast_decode``: relay_hf's own decode loop decodes,
             compiled with ``compile_config`` (and captured as a CUDA graph on CUDA) where that is set
             (``loop_reason`` says why not).
-        decode_step: how relay_hf's loop runs each step (``DECODE_STEPS``), ``""`` off it.
+        decode_step: how relay_hf's loop runs each step (``loop_rules.DECODE_STEPS``), ``""`` off it.
         new_tokens: tokens stock ``generate`` would make at most. ``static_capacity``: suffix positions of the
             static cache; ``static_rows``: its rows (on relay_hf's loop the batch rounded up to a capture size,
             ``DecodeConfig.bucket``). ``ids`` / ``mask`` ``[B, T]``; ``n_pad`` ``[B]``
             left pads; ``user_cache``: the caller's ``RelayCache`` (never mutated); ``grouping``: what the rows
             share (the tree to prefill, or the caller's cache's, and each input row's path in it); ``gen``: the
-            resolved config; ``sampler``: how relay_hf's loop picks tokens (``decode.loop_sampler``).
+            resolved config; ``processors``: stock's processors relay_hf's loop reproduces
+            (``sampling.loop_processors``), from which the loop builds its sampler.
     """
 
     relay: bool
@@ -141,7 +128,7 @@ class Plan:
     grouping: Grouping | None = field(default=None, repr=False)
     gen: GenerationConfig | None = field(default=None, repr=False)
     compile_config: CompileConfig | None = field(default=None, repr=False)
-    sampler: Sampler | None = field(default=None, repr=False)
+    processors: LoopProcessors | None = field(default=None, repr=False)
 
     @property
     def grouped(self) -> bool:
@@ -172,7 +159,7 @@ class RunStock(Exception):
 def model_reason(model) -> str | None:
     """Why relay cannot serve ``model`` at all right now (not patched, declined by ``patch``, or switched to another
     attention implementation after it), or ``None``."""
-    state = model.__dict__.get("_relay_state")
+    state = relay_state(model)
     if state is None:
         return NOT_PATCHED
     if state.declined is not None:
@@ -186,15 +173,6 @@ def model_reason(model) -> str | None:
     if not is_relay_name(name):
         return f"the model's attention implementation was set to {name!r} after relay_hf.patch"
     return None
-
-
-def prefix_store(model):
-    """``(store, depends)``: the model's prefix store and what its entries must have been built under, when this call
-    may read and keep prefixes there; ``(None, None)`` when it may not (``keep_reason``) or keeps nothing (budget 0)."""
-    store = model._relay_state.store
-    if store.budget_bytes == 0 or keep_reason(model) is not None:
-        return None, None
-    return store, kv_dependencies(model)
 
 
 def continuous_reason(model, cb_config) -> str | None:
@@ -233,8 +211,8 @@ def keep_reason(model) -> str | None:
     return why
 
 
-def relay_pays(rows: int, prefix_length: int, device: torch.device, min_prefix_length: int,
-               captured_loop: bool = False, shared_tokens: int | None = None) -> str | None:
+def cost_reason(rows: int, prefix_length: int, device: torch.device, min_prefix_length: int,
+                captured_loop: bool = False, shared_tokens: int | None = None) -> str | None:
     """``None`` when relay should serve this batch, else the reason it should not.
 
     ``prefix_length``: the shared prefix (with several, the shortest segment); ``shared_tokens``: rows x tokens read
@@ -250,81 +228,6 @@ def relay_pays(rows: int, prefix_length: int, device: torch.device, min_prefix_l
     if device.type == "cuda" and not captured_loop and shared < CUDA_MIN_SHARED_TOKENS:
         return (f"{shared} shared tokens (rows x prefix) < {CUDA_MIN_SHARED_TOKENS}: SDPA is faster on this GPU "
                 "(relay_hf.policy)")
-    return None
-
-
-@dataclass(frozen=True)
-class RopeLimit:
-    """A length past which a forward's longest position changes what the model computes at every position of it:
-    its rotary embedding's frequencies (dynamic NTK rescales them to the longest position past
-    ``max_position_embeddings``; longrope takes its long factors in a forward longer than
-    ``original_max_position_embeddings``), or its ``generate`` recomputing the whole sequence in one forward (Phi-3's).
-    Stock prefills the whole prompt in one forward; relay prefills each shared prefix alone, at its own length, so past
-    this point relay's prefix KV would not be stock's.
-
-    Attributes:
-        positions: a call whose prompt columns plus new tokens are at most this many runs every forward on fewer
-            positions, where the frequencies are the RoPE's base ones for relay's forwards and stock's alike (dynamic
-            NTK resets to them there after an earlier, longer call).
-        what: the change, for ``relay_last_decision.reason``.
-        beyond: whether relay is exact too when every shared prefix is longer than ``positions``: longrope's choice
-            depends on nothing but the forward's length, so each of relay's forwards then takes the long factors, as
-            stock's prompt does, and a cache already past the point is never recomputed. Dynamic NTK's frequencies
-            follow the longest position of each forward (and what earlier forwards grew them to): never.
-    """
-
-    positions: int
-    what: str
-    beyond: bool
-
-
-def rope_limits(model) -> list[RopeLimit]:
-    """The points past which ``model``'s forwards change with their length (``RopeLimit``): a dynamic NTK or longrope
-    RoPE (``rope_parameters``, per layer type where the config has several; ``rope_scaling`` where a config still
-    calls it so), and a ``prepare_inputs_for_generation`` that recomputes the sequence (``_compat``)."""
-    text = model.config.get_text_config(decoder=True)
-    max_pos = getattr(text, "max_position_embeddings", None)
-    params = getattr(text, "rope_parameters", None) or getattr(text, "rope_scaling", None) or {}
-    if not isinstance(params, dict):
-        params = {}
-    flat = "rope_type" in params or "type" in params  # else one dict per layer type
-    sets = [params] if flat else [p for p in params.values() if isinstance(p, dict)]
-    limits = []
-    for rope in sets:
-        kind = str(rope.get("rope_type", rope.get("type", "default")))
-        if "dynamic" in kind and isinstance(max_pos, int):  # transformers' own test: any type that says "dynamic"
-            limits.append(RopeLimit(max_pos, f"dynamic NTK RoPE (rope_type={kind!r}) rescales its frequencies in a "
-                                             f"forward longer than max_position_embeddings={max_pos}", False))
-        elif kind == "longrope":
-            original = (rope.get("original_max_position_embeddings")
-                        or getattr(text, "original_max_position_embeddings", None) or max_pos)
-            if isinstance(original, int):
-                limits.append(RopeLimit(original, "longrope RoPE takes its long factors in a forward longer than "
-                                                  f"original_max_position_embeddings={original}", True))
-    recomputed = cache_recomputed_past(model)
-    if recomputed is not None:
-        limits.append(RopeLimit(recomputed, f"{type(model).__name__}.generate recomputes the whole sequence once it is "
-                                            f"longer than original_max_position_embeddings={recomputed}", True))
-    return limits
-
-
-def rope_reason(model, grouping: Grouping, T: int, n_pad: torch.Tensor, n_new: int) -> str | None:
-    """Why this call must run stock because of ``rope_limits``, or ``None``. ``T``: prompt columns; ``n_pad`` ``[B]``
-    left pads; ``n_new``: new tokens at most. The call reaches the longer of the stock prompt and relay's layout
-    (whose columns can outnumber it under several prefixes; Phi-3's recompute counts columns) plus its new tokens:
-    relay serves it when that stays within a limit, or, past a limit that allows it, when every shared prefix is
-    longer than the limit (then every forward is past it, relay's as stock's)."""
-    limits = rope_limits(model)
-    if not limits:
-        return None
-    lengths = grouping.prefix_lengths()
-    columns = max(lengths) + max(T - n - p for n, p in zip(n_pad.tolist(), lengths))
-    reach = max(T, columns) + n_new
-    roots = [n for n, parent in zip(grouping.tree.lengths, grouping.tree.parents) if parent < 0]
-    for limit in limits:
-        if reach > limit.positions and not (limit.beyond and min(roots) > limit.positions):
-            return (f"the call can reach {reach} positions (prompt + new tokens) and the model's {limit.what}: relay "
-                    "prefills the shared prefix alone, at its own length, so its KV would not be stock's")
     return None
 
 
@@ -356,92 +259,22 @@ def new_tokens(model, call: dict, gen: GenerationConfig, T: int) -> int:
     return gen.max_length - T
 
 
-def loop_reason(model, gen: GenerationConfig, call: dict, n_new: int) -> str | None:
-    """Why relay_hf's decode loop cannot run this call (then transformers' loop runs it), or ``None``. Logits
-    processors are judged by ``decode.loop_sampler``."""
-    for key, neutral in _LOOP_NEUTRAL.items():
-        if getattr(gen, key, None) not in neutral:
-            return f"{key}={getattr(gen, key)!r} runs on transformers' loop"
-    for key in ("logits_processor", "stopping_criteria"):
-        if call.get(key):
-            return f"a user `{key}` runs on transformers' loop"
-    extra = sorted(k for k, v in call.items() if v is not None and k not in _LOOP_ARGS and not hasattr(gen, k))
-    if extra:
-        return f"model kwargs {extra} run on transformers' loop"
-    if n_new < 1:
-        return "no new tokens"
-    params = inspect.signature(model.forward).parameters
-    missing = [p for p in ("position_ids", "logits_to_keep") if p not in params]
-    if missing and not any(p.kind is p.VAR_KEYWORD for p in params.values()):
-        return f"the model's forward takes no {missing[0]}"
-    if getattr(model, "hf_quantizer", None) is not None and not model.hf_quantizer.is_compileable:
-        return "a quantizer that cannot compile"
-    if len(set(getattr(model, "hf_device_map", {"": 0}).values())) > 1:
-        return "a model spread over several devices"
-    return None
-
-
-def loop_wanted(model, gen: GenerationConfig) -> str | None:
-    """Why this call would not decode on relay_hf's loop even if it could, or ``None``: the loop runs by default on
-    CUDA (``patch(model, decode="auto")``), anywhere with ``decode="graph"`` / ``"compile"``, and for a call that asks
-    for a compiled decode the transformers way (``cache_implementation="static"`` or a ``compile_config``)."""
-    mode = model._relay_state.decode
-    if gen.cache_implementation == "static" or gen.compile_config is not None or mode in ("graph", "compile"):
-        return None
-    if mode == "eager":
-        return "patch(model, decode='eager') decodes on transformers' loop"
-    if model.device.type != "cuda":
-        return "transformers' loop off CUDA (patch(model, decode='graph') runs relay_hf's loop here)"
-    return None
-
-
-def compile_config(model, gen: GenerationConfig) -> CompileConfig | None:
-    """The ``CompileConfig`` transformers would compile the decode step with, or ``None`` where it would not."""
-    if gen.disable_compile:
-        return None
-    config = gen.compile_config or CompileConfig()
-    return config if model.device.type == "cuda" or compile_all_devices(config) else None
-
-
-def check_cache(model, cache: RelayCache, ids: torch.Tensor, n_pad: torch.Tensor) -> Grouping:
-    """Each row's path in ``cache``'s prefixes; raise ``ValueError`` naming what makes ``cache`` unusable for these
-    rows on this model (a row that starts with none of its prefixes: which row, and where it differs)."""
-    # a cache a call returned (a fork: its prefixes, and suffixes the new call lays out again) serves as well as the
-    # one it was forked from
-    if cache.tree is None or cache.layers[0].prefix_keys is None:
-        raise ValueError("RelayCache holds no prefix; build it with RelayCache.from_prefix(model, prefix_ids)")
-    if cache.config is not model.config:
-        raise ValueError("RelayCache was built for another model (its config is not this model's): build one with "
-                         "RelayCache.from_prefix(model, prefix_ids) for this model")
-    text = model.config.get_text_config(decoder=True)
-    if len(cache.layers) != text.num_hidden_layers:
-        raise ValueError(f"RelayCache has {len(cache.layers)} layers, the model has {text.num_hidden_layers}")
-    k = cache.layers[0].prefix_keys
-    if k.dtype != model.dtype:
-        raise ValueError(f"RelayCache prefix dtype is {k.dtype} but the model runs in {model.dtype}")
-    if k.device != model.device:
-        raise ValueError(f"RelayCache prefix is on {k.device} but the model is on {model.device}")
-    # the cache a grouped call returned (a fork with groups) continues all of that call's rows, those that read no
-    # prefix too; a cache the user built refuses a row under none of its prefixes (a tokenization slip, most likely)
-    allow_none = cache.groups is not None
-    return Grouping(cache.tree, tuple(cache.tree.match(ids, n_pad, allow_none)))
-
-
 def kept_prefix(model, row: torch.Tensor) -> torch.Tensor | None:
     """The longest prefix the model's store keeps from position 0 that ``row`` (``[T]`` ids, no padding) starts with
     and that leaves it a token and is at least ``min_prefix_length`` long, or ``None``: a one-row call (a chat turn)
     under a system prompt an earlier call kept reads it instead of prefilling it again."""
-    store = model._relay_state.store
+    state = relay_state(model)
+    store = state.store
     if not len(store) or keep_reason(model) is not None:  # (whether it was kept for the model as it is now, the
         return None                                        # prefill's store lookup checks)
     best = None
-    for start, key in store.keys():
-        n = len(key) // 8  # int64 ids
-        if start or not max(1, model._relay_state.min_prefix_length) <= n < row.numel():
+    for key in store.keys():  # store.PrefixKey
+        n = key.tokens
+        if key.start or not max(1, state.min_prefix_length) <= n < row.numel():
             continue
         if best is None or n > best.numel():
-            ids = torch.frombuffer(bytearray(key), dtype=torch.int64)
-            if torch.equal(row[:n].cpu(), ids):
+            ids = key.ids()
+            if torch.equal(row[:n].to("cpu", torch.int64), ids):
                 best = ids
     return best
 
@@ -450,7 +283,7 @@ def batch_grouping(model, ids: torch.Tensor, n_pad: torch.Tensor, rows: int, cap
     """What this batch's rows share (``prefix.find_groups``), or raise ``RunStock`` with why relay does not pay. One
     input row shares nothing; on the captured loop it still runs relay with its prompt but the last token as the
     prefix."""
-    state = model._relay_state
+    state = relay_state(model)
     B = ids.shape[0]
     kept = kept_prefix(model, ids[0, int(n_pad[0]):]) if B == 1 else None
     if kept is not None:  # a chat turn under a kept system prompt: only the rest is prefilled
@@ -461,12 +294,15 @@ def batch_grouping(model, ids: torch.Tensor, n_pad: torch.Tensor, rows: int, cap
                                                 ((0,),))
     else:
         grouping = find_groups(ids, n_pad, state.min_prefix_length)
+        pinned = [key.ids() for key in state.store.pinned() if not key.start]
+        if grouping is not None and pinned and keep_reason(model) is None:
+            grouping = split_at_pinned(grouping, pinned, state.min_prefix_length)
     if grouping is None:
         P = common_prefix_length(ids, n_pad) if rows > 1 or captured else 0
-        raise RunStock(relay_pays(rows, P, model.device, state.min_prefix_length, captured) or
+        raise RunStock(cost_reason(rows, P, model.device, state.min_prefix_length, captured) or
                      f"no rows share min_prefix_length={state.min_prefix_length} tokens", expected=True)
     per = rows // B
-    why = relay_pays(rows, min(grouping.tree.lengths), model.device, state.min_prefix_length, captured,
+    why = cost_reason(rows, min(grouping.tree.lengths), model.device, state.min_prefix_length, captured,
                      grouping.shared_tokens() * per)
     if why:
         raise RunStock(why, expected=True)
@@ -477,16 +313,16 @@ def user_cache(call: dict):
     return next((call[n] for n in CACHE_NAMES if call.get(n) is not None), None)
 
 
-def decide(model, call: dict) -> Plan:
-    """The plan for one patched ``generate`` call (``call``: its arguments by name). Raises ``ValueError`` for input
+def decide(model, call: dict) -> Route:
+    """The route of one patched ``generate`` call (``call``: its arguments by name). Raises ``ValueError`` for input
     stock would accept but that cannot be right (a ``RelayCache`` that does not fit the model or the rows)."""
     try:
         return _decide(model, call)
     except RunStock as why:
-        return Plan(False, str(why), expected=why.expected)
+        return Route(False, str(why), expected=why.expected)
 
 
-def _decide(model, call: dict) -> Plan:
+def _decide(model, call: dict) -> Route:
     eligible(model, call)
     gen = resolve(model, call)
     served_config(gen, call)
@@ -496,7 +332,7 @@ def _decide(model, call: dict) -> Plan:
     n_new = new_tokens(model, call, gen, T)
     if n_new < 1:
         raise RunStock("no new tokens to generate", expected=True)
-    loop_why, sampler = which_loop(model, gen, call, ids, mask, n_new)
+    loop_why, processors = which_loop(model, gen, call, ids, mask, n_new)
     fast = loop_why is None
     captured = fast and model.device.type == "cuda"  # relay_hf's loop as CUDA graphs
     cache = user_cache(call)
@@ -516,11 +352,11 @@ def _decide(model, call: dict) -> Plan:
     if static:  # rounded up so similar calls reuse one captured step
         suffix = max(T - int(n) - p for n, p in zip(n_pad.tolist(), prefix_lengths))
         capacity = -(-(suffix + n_new) // STATIC_ROUNDING) * STATIC_ROUNDING
-    return Plan(True, "relay", rows=rows, prefix_length=P, static=static, fast_decode=fast,
-                loop_reason="relay_hf decode loop" if fast else loop_why,
-                decode_step=decode_step(model, gen, fast, compiled), new_tokens=n_new, static_capacity=capacity,
-                static_rows=DEFAULT_DECODE.bucket(rows) if fast else rows, ids=ids, mask=mask, n_pad=n_pad,
-                user_cache=cache, grouping=grouping, gen=gen, compile_config=compiled, sampler=sampler)
+    return Route(True, "relay", rows=rows, prefix_length=P, static=static, fast_decode=fast,
+                 loop_reason="relay_hf decode loop" if fast else loop_why,
+                 decode_step=decode_step(model, gen, fast, compiled), new_tokens=n_new, static_capacity=capacity,
+                 static_rows=DEFAULT_DECODE.bucket(rows) if fast else rows, ids=ids, mask=mask, n_pad=n_pad,
+                 user_cache=cache, grouping=grouping, gen=gen, compile_config=compiled, processors=processors)
 
 
 def eligible(model, call: dict) -> None:
@@ -583,68 +419,19 @@ def input_rows(call: dict, gen: GenerationConfig) -> tuple[torch.Tensor, torch.T
 
 
 def which_loop(model, gen: GenerationConfig, call: dict, ids: torch.Tensor, mask: torch.Tensor,
-               n_new: int) -> tuple[str | None, Sampler | None]:
-    """Which loop decodes: ``(None, sampler)`` for relay_hf's loop, ``(why not, None)`` for transformers'. Raises
-    ``RunStock`` where only stock is right (a repetition penalty off relay_hf's loop reads where the pads are)."""
-    why = loop_wanted(model, gen) or loop_reason(model, gen, call, n_new)
-    sampler = None
+               n_new: int) -> tuple[str | None, LoopProcessors | None]:
+    """Which loop decodes: ``(None, processors)`` for relay_hf's loop (``sampling.loop_processors``), ``(why not,
+    None)`` for transformers'. Raises ``RunStock`` where only stock is right (a repetition penalty off relay_hf's loop
+    reads where the pads are)."""
+    why = loop_choice_reason(model, gen) or loop_reason(model, gen, call, n_new)
+    processors = None
     if why is None:
-        sampler = loop_sampler(model, gen, ids, mask)
-        if isinstance(sampler, str):
-            why, sampler = f"{sampler} runs on transformers' loop", None
+        processors = loop_processors(model, gen, ids, mask)
+        if isinstance(processors, str):
+            why, processors = f"{processors} runs on transformers' loop", None
     if gen.repetition_penalty not in (None, 1.0) and why is not None:
         raise RunStock(f"`repetition_penalty` off relay_hf's loop ({why}) depends on the prompt's token order; "
                        "relay_hf runs it on stock generate")
-    return why, sampler
+    return why, processors
 
 
-def static_shape(model, gen: GenerationConfig, cache: RelayCache | None, grouping: Grouping,
-                 fast: bool) -> tuple[bool, CompileConfig | None]:
-    """``(static, compile_config)``: whether the call runs on a static ``RelayCache``, and the inductor config its
-    decode step compiles with (``None``: eager, captured as CUDA graphs on CUDA)."""
-    asked_static = gen.cache_implementation == "static" or gen.compile_config is not None
-    # attention reads through PrefixGroups tables: several prefixes, or sliding-window layers that store only what
-    # their window sees (each row's positions then come from the tables)
-    if cache is not None:
-        trimmed = any(lay.window is not None for lay in cache.layers)
-    else:
-        trimmed = any(trim_window(w, grouping.tree.lengths) is not None for w in layer_windows(model))
-    tables = not grouping.single or trimmed
-    # a static RelayCache for relay_hf's loop, and for transformers' loop when the call asks for one (without tables:
-    # transformers' compiled loop would bake one call's tables into its graphs)
-    static = fast or (asked_static and (gen.num_beams or 1) == 1 and not tables)
-    # with tables relay_hf's loop replays the captured eager step: the tables change per call in place, which an
-    # inductor graph would have to guard on
-    compiled = (compile_config(model, gen) if fast and not tables
-                and (asked_static or model._relay_state.decode == "compile" or compiled_by_default(model))
-                else None)
-    return static, compiled
-
-
-def decode_step(model, gen: GenerationConfig, fast: bool, compiled: CompileConfig | None) -> str:
-    """How relay_hf's loop will run this call's steps (``DECODE_STEPS``; ``""`` off the loop). A model patched with
-    ``decode="compile"`` whose step does not compile because of its device (transformers' rule, ``compile_config``:
-    CUDA, or a ``CompileConfig`` with ``_compile_all_devices``) gets a warning saying what runs instead; a call that
-    turns compiling off (``disable_compile=True``) or a batch that reads through work tables (``static_shape``) is
-    documented to run the eager step and does not."""
-    if not fast:
-        return ""
-    if compiled is not None:
-        return "compiled"
-    step = "cuda graph" if model.device.type == "cuda" else "eager ops"
-    if model._relay_state.decode == "compile" and not gen.disable_compile and compile_config(model, gen) is None:
-        device = model.device.type
-        warnings.warn(f"relay_hf: decode='compile' compiles the decode step on CUDA only, as transformers compiles "
-                      f"(a CompileConfig with _compile_all_devices=True compiles on {device} too): this call on "
-                      f"{device} runs relay_hf's loop on eager ops (relay_last_decision.decode_step)", UserWarning,
-                      stacklevel=6)
-    return step
-
-
-def compiled_by_default(model) -> bool:
-    """Whether ``patch(model)``'s default (``decode="auto"``) compiles the loop's forward: on CUDA for fp16 / bf16
-    models (one decoder layer compiled for all, ``regional.py``: a few seconds once, kept across processes). fp32
-    keeps the captured eager step, which is token-identical to stock (inductor's fused reductions round
-    differently)."""
-    return (model._relay_state.decode == "auto" and model.device.type == "cuda"
-            and model.dtype in (torch.float16, torch.bfloat16))

@@ -18,6 +18,7 @@ from ._compat import cache_kwarg_name
 from .freshness import SegmentCheck
 from .kernels.groups import window_kept
 from .prefix import PrefixTree
+from .store import PrefixKey
 
 # a sliding-window layer stores only what its window sees where that keeps at most this share of the prefix tokens
 # (below, its memory saving does not pay for reading the prefix through work tables)
@@ -62,10 +63,9 @@ class Prefilled(NamedTuple):
     kept_tokens: int = 0
 
 
-def segment_key(tree: PrefixTree, j: int) -> tuple[int, bytes]:
-    """A store key of segment ``j``: where it starts and its full prefix's token ids (its KV depends on all of them;
-    a kept entry holds its own positions only, so a root and a child of the same ids are different entries)."""
-    return tree.starts()[j], tree.full_ids(j).numpy().tobytes()
+def segment_key(tree: PrefixTree, j: int) -> PrefixKey:
+    """The store key of segment ``j`` (``store.PrefixKey``: where it starts and its full prefix's token ids)."""
+    return PrefixKey.of(tree.starts()[j], tree.full_ids(j))
 
 
 class KeptSegment(NamedTuple):

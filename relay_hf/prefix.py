@@ -177,6 +177,33 @@ class Grouping:
         return sum(self.prefix_lengths())
 
 
+def split_at_pinned(grouping: Grouping, pinned: list[torch.Tensor], min_length: int) -> Grouping:
+    """``grouping`` with each root segment that has no segment under it and starts with a pinned prompt (``pinned``:
+    ``[P]`` int64 ids, ``relay_hf.pin``) strictly shorter than itself cut there: the longest such prompt becomes the
+    root (its KV is kept: nothing to prefill) and the rest a segment under it when it is ``min_length`` tokens or
+    more (else it joins each row's own tokens). Rows that share more than a pinned system prompt (its chat template's
+    next tokens, a document) then read the pinned KV instead of prefilling the longer prefix. Roots with segments
+    under them are left as they are (two levels at most)."""
+    tree = grouping.tree
+    ids, parents = list(tree.ids), list(tree.parents)
+    paths = [list(p) for p in grouping.paths]
+    for j, root in enumerate(tree.ids):
+        if tree.parents[j] != -1 or j in tree.parents:
+            continue
+        cuts = [k.numel() for k in pinned if k.numel() < root.numel() and torch.equal(root[:k.numel()], k)]
+        if not cuts:
+            continue
+        n = max(cuts)
+        ids[j] = root[:n]
+        if root.numel() - n >= min_length:
+            ids.append(root[n:])
+            parents.append(j)
+            for path in paths:
+                if path == [j]:
+                    path.append(len(ids) - 1)
+    return Grouping(PrefixTree(tuple(ids), tuple(parents)), tuple(tuple(p) for p in paths))
+
+
 MAX_SEGMENTS = 64  # segments find_groups keeps at most (each costs a prefill and a few kernel work items)
 
 
@@ -241,10 +268,16 @@ def find_groups(input_ids: torch.Tensor, n_pad: torch.Tensor, min_length: int, l
     saved, chosen = best[id(root)]
     if saved <= 0:
         return None
-    chosen = _cap_segments(chosen, max_segments)
+    return _grouping(_cap_segments(chosen, max_segments), tokens, order)
+
+
+def _grouping(chosen: list, tokens: torch.Tensor, order: list[int]) -> Grouping:
+    """The ``Grouping`` of ``find_groups``' chosen segments: ``(node, base)`` pairs, each the tokens ``base`` to
+    ``node.depth`` that the rows below ``node`` share (``base`` 0: a root; else a block under the root that holds
+    it), read off ``tokens`` (``[B, width]``, each row's shareable tokens) in ``order`` (the rows sorted)."""
     roots = sorted((n for n, base in chosen if base == 0), key=lambda n: n.lo)
     inner = sorted(((n, base) for n, base in chosen if base > 0), key=lambda nb: nb[0].lo)
-    seg_ids, parents, paths = [], [], [[] for _ in range(B)]
+    seg_ids, parents, paths = [], [], [[] for _ in range(tokens.shape[0])]
     for node, base in [(n, 0) for n in roots] + inner:
         parent = -1 if base == 0 else next(j for j, r in enumerate(roots) if r.lo <= node.lo and node.hi <= r.hi)
         seg_ids.append(tokens[order[node.lo], base:node.depth].clone())

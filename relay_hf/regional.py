@@ -20,7 +20,7 @@ call:
 One region is compiled per model and compile settings (``RelayState.region``) and shared by all its decode steps; it
 compiles its own copy of the region's code (``region_function``), so two models never share one code object's graphs
 and recompile limit. A model whose layers still need a graph each (a per-layer constant the layer reads) can reach
-dynamo's recompile limit; the step then falls back to the eager step (``decode.DecodeStep``), after putting back the
+dynamo's recompile limit; the step then falls back to the eager step (``step.DecodeStep``), after putting back the
 cache positions the layers before the failure wrote.
 """
 

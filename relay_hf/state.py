@@ -1,8 +1,9 @@
 """What ``relay_hf.patch`` keeps on a model instance: its settings and the static caches it may reuse.
 
-One owner: only the methods here read or write it. Per-call state never lives here (a call's plan, cache and
-decision are its own), so concurrent ``generate`` calls on one model are as independent as stock's: the one shared
-thing, the idle static caches (and the decode steps captured on them), are handed to one call at a time under a lock.
+One owner: only this module reads or writes it on the model (``relay_state``, ``attach_state``, ``detach_state``),
+and only the methods here change it. Per-call state never lives here (a call's route, cache and decision are its
+own), so concurrent ``generate`` calls on one model are as independent as stock's: the one shared thing, the idle
+static caches (and the decode steps captured on them), are handed to one call at a time under a lock.
 """
 
 from __future__ import annotations
@@ -10,8 +11,8 @@ from __future__ import annotations
 import threading
 from dataclasses import InitVar, dataclass, field
 
+from .counters import Counters
 from .prefill import segment_nbytes
-from .stats import Counters
 from .store import PrefixStore
 
 
@@ -33,7 +34,7 @@ class RelayState:
         original_attn: the attention implementation the model had before ``patch`` (what ``unpatch`` restores).
         min_prefix_length: shortest shared prefix (tokens) worth a separate prefill.
         declined: why ``patch`` left the model on its own attention (``None``: relay serves it).
-        decode: which decode loop ``patch(model, decode=...)`` chose (``policy.loop_wanted``).
+        decode: which decode loop ``patch(model, decode=...)`` chose (``loop_rules.loop_choice_reason``).
         prefix_cache_bytes: the initial budget of ``store``, the prefilled prefix segments kept between calls (``0``:
             none); it lives in ``store.budget_bytes`` from then on.
         counters: what ``relay_hf.stats`` reports.
@@ -98,7 +99,20 @@ class RelayState:
         self.__init__(**state)
 
 
+_ATTRIBUTE = "_relay_state"  # where a patched model instance holds its RelayState (pickled with the model)
+
+
 def relay_state(model) -> RelayState | None:
-    """The ``RelayState`` that ``relay_hf.patch`` keeps on ``model`` (in its ``_relay_state`` attribute), or ``None``
-    for a model it has not patched (or anything that is not a model): what tests and benchmarks inspect."""
-    return getattr(model, "__dict__", {}).get("_relay_state")
+    """The ``RelayState`` that ``relay_hf.patch`` keeps on ``model`` (an attribute of the instance), or ``None`` for a
+    model it has not patched (or anything that is not a model): every reader goes through here."""
+    return getattr(model, "__dict__", {}).get(_ATTRIBUTE)
+
+
+def attach_state(model, state: RelayState) -> None:
+    """Keep ``state`` on ``model`` (``patch``): an attribute of the instance, so copies and pickles carry it."""
+    setattr(model, _ATTRIBUTE, state)
+
+
+def detach_state(model) -> RelayState:
+    """Take ``model``'s ``RelayState`` off it and return it (``unpatch``; ``KeyError`` when there is none)."""
+    return model.__dict__.pop(_ATTRIBUTE)

@@ -1,72 +1,18 @@
 """``relay_hf.stats(model)``: what relay saved on a patched model since ``patch``, as one frozen snapshot.
 
-The counters are kept by every road that serves relay: ``generate``, the pipeline and continuous batching
-(``generate_batch``, ``init_continuous_batching``, ``relay-hf serve``). Updates take a lock, so concurrent calls on
-one model count exactly; ``unpatch`` drops them with the rest of the patch.
+The counters (``counters.py``) are kept by every road that serves relay: ``generate``, the pipeline and continuous
+batching (``generate_batch``, ``init_continuous_batching``, ``relay-hf serve``); this module also holds the
+arithmetic of what they count (KV bytes per token and layer, the bytes a decode did not read again).
 """
 
 from __future__ import annotations
 
-import threading
-from dataclasses import asdict, dataclass, field, fields
+import dataclasses
 
 import torch
 
-
-@dataclass(frozen=True)
-class RelayStats:
-    """Counters since ``patch`` (all ints).
-
-    Attributes:
-        relay_steps: decode steps (continuous batching: forward steps) in which relay read a shared prefix once for
-            several rows: every decode step of a relay ``generate`` call (one per new token after the first) where
-            at least two rows read a shared segment.
-        relay_rows: rows those steps served (one per row and step).
-        kv_bytes_not_reread: prefix KV bytes that stock attention would have read in those steps and relay did not.
-            Per decode step, layer and shared segment, stock reads, for each row that reads the segment, the segment
-            tokens that row's query sees: all of them in a full-attention layer; in a layer with a sliding window
-            ``w``, those at positions ``> t - w`` for a query at position ``t`` (at most the segment's last
-            ``w - 1`` tokens, all that a trimmed ``RelayCache`` layer keeps of it). Relay reads them once, as many
-            as the reader that sees the most. The difference times the layer's bytes per token (its KV heads times
-            its key and value head dims, in the model's dtype) is counted: ``(readers - 1) * tokens`` in a
-            full-attention layer; in a windowed layer less, and nothing once the rows' windows have moved past the
-            segment. Continuous batching counts per forward step ``(readers - 1) * tokens`` of each shared run of
-            blocks over the full-attention layers (it runs stock for models with sliding-window layers).
-        prefix_hits: calls (pipeline batches, ``generate`` calls) whose shared prefix came from the prefix store
-            instead of a prefill.
-        prefill_tokens_saved: prefix tokens those hits did not prefill again.
-        stock_calls: calls relay_hf handed to stock transformers (``relay_last_decision`` says why).
-    """
-
-    relay_steps: int = 0
-    relay_rows: int = 0
-    kv_bytes_not_reread: int = 0
-    prefix_hits: int = 0
-    prefill_tokens_saved: int = 0
-    stock_calls: int = 0
-
-    def as_dict(self) -> dict[str, int]:
-        return asdict(self)
-
-
-_NAMES = tuple(f.name for f in fields(RelayStats))
-
-
-@dataclass(eq=False)
-class Counters:
-    """The mutable side of ``RelayStats``, owned by a model's ``RelayState``."""
-
-    _values: dict = field(default_factory=lambda: dict.fromkeys(_NAMES, 0))
-    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
-
-    def add(self, **amounts: int) -> None:
-        with self._lock:
-            for name, amount in amounts.items():
-                self._values[name] += int(amount)
-
-    def snapshot(self) -> RelayStats:
-        with self._lock:
-            return RelayStats(**self._values)
+from .counters import RelayStats
+from .state import relay_state
 
 
 def layer_kv_bytes(model) -> list[int]:
@@ -166,7 +112,7 @@ def decode_bytes_not_reread(segments, steps: int, layers) -> int:
 
 def stats(model) -> RelayStats:
     """The counters of a patched ``model`` (``ValueError`` for a model ``relay_hf.patch`` has not patched)."""
-    state = getattr(model, "__dict__", {}).get("_relay_state")
+    state = relay_state(model)
     if state is None:
         raise ValueError("relay_hf.stats takes a model patched by relay_hf.patch")
-    return state.counters.snapshot()
+    return dataclasses.replace(state.counters.snapshot(), pinned_bytes=state.store.pinned_nbytes())

@@ -13,10 +13,10 @@ kept prefix and a model that has changed since (docs/api.md, "Kept prefixes", st
   must equal, bit for bit, what it recorded when the entry was built: it is there for what no counter sees (a write
   through ``.data``, into raw storage); docs/api.md says which of those it catches.
 
-The store itself knows nothing of models (testable on its own): entries are keyed by a hashable key (the prefix's
-token ids), built on a miss by the caller's function under the store's lock (concurrent callers share one prefill),
-checked on a hit by the caller's function, and evicted least recently used first down to a byte budget, except those
-a running call holds.
+The store itself knows nothing of models (testable on its own): entries are keyed by a hashable key (a
+``PrefixKey``: where a prefix segment starts and its full prefix's token ids), built on a miss by the caller's
+function under the store's lock (concurrent callers share one prefill), checked on a hit by the caller's function,
+and evicted least recently used first down to a byte budget, except those a running call holds.
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ import threading
 from collections import OrderedDict
 from collections.abc import Callable, Hashable, Iterable
 from contextlib import contextmanager
+from typing import NamedTuple
 
 import torch
 
@@ -151,6 +152,31 @@ def checked_budget(value) -> int:
     return value
 
 
+class PrefixKey(NamedTuple):
+    """The key of a kept prefix segment: ``start``, where it starts, and ``data``, its full prefix's token ids as the
+    bytes of their ``[P]`` tensor (its KV depends on all of them; a kept entry holds its own positions only, so a root
+    and a child of the same ids are different entries). Bytes: hashable and compared exactly. A tuple, so it equals
+    (and hashes as) ``(start, data)``."""
+
+    start: int
+    data: bytes
+
+    @classmethod
+    def of(cls, start: int, ids: torch.Tensor) -> PrefixKey:
+        """The key of a segment starting at ``start`` whose full prefix is ``ids`` (``[P]`` integer, any device): the
+        ids as int64, so int32 ``input_ids`` find what int64 ones kept."""
+        return cls(start, ids.to("cpu", torch.int64).numpy().tobytes())
+
+    @property
+    def tokens(self) -> int:
+        """How many token ids the key holds (``P``), read without decoding them."""
+        return len(self.data) // 8  # int64 ids
+
+    def ids(self) -> torch.Tensor:
+        """The full prefix's token ids, ``[P]`` int64 on the CPU (a copy: the key stays as it is)."""
+        return torch.frombuffer(bytearray(self.data), dtype=torch.int64)
+
+
 class PrefixStore:
     """Values (prefilled ``RelayCache``s) kept by key, least recently used first out, within ``budget_bytes``.
 
@@ -168,6 +194,7 @@ class PrefixStore:
         self._entries: OrderedDict[Hashable, tuple[object, int]] = OrderedDict()  # key -> (value, bytes); LRU first
         self._depends: object = None  # what every kept entry was built under
         self._held: dict[Hashable, int] = {}  # key -> running calls holding it (never evicted meanwhile)
+        self._pinned: set[Hashable] = set()  # keys never evicted for the budget (relay_hf.pin); kept until unpinned
         self._lock = threading.RLock()
         self._packed: tuple[tuple, object] | None = None  # (the entries packed, by identity; their packing)
         self.hits = self.misses = self.stale = 0
@@ -180,6 +207,50 @@ class PrefixStore:
     def budget_bytes(self, value: int) -> None:
         """A new budget; entries beyond it go at the next ``trim``."""
         self._budget = checked_budget(value)
+
+    def resize(self, budget_bytes: int) -> None:
+        """A new budget (validated), the least recently used entries beyond it dropped now (held and pinned ones
+        stay). ``ValueError`` for a budget below the pinned entries' bytes (``unpin`` first)."""
+        pinned = self.pinned_nbytes()
+        if checked_budget(budget_bytes) < pinned:
+            raise ValueError(f"prefix_cache_bytes={budget_bytes} is below the {pinned} bytes of pinned prompts; "
+                             "relay_hf.unpin them first")
+        self.budget_bytes = budget_bytes
+        self.trim()
+
+    def pin(self, key: Hashable) -> None:
+        """Keep ``key``'s entry whatever least-recently-used eviction would drop (it must be kept now). Its bytes
+        count against the budget: ``ValueError`` when the pinned entries would not fit it."""
+        with self._lock:
+            if key not in self._entries:
+                raise ValueError("only a kept prefix can be pinned")
+            pinned = self.pinned_nbytes() + (0 if key in self._pinned else self._entries[key][1])
+            if pinned > self._budget:
+                raise ValueError(f"pinned prompts would hold {pinned} bytes, over prefix_cache_bytes="
+                                 f"{self._budget}; relay_hf.patch(model, prefix_cache_bytes=...) with more, or unpin "
+                                 "others")
+            self._pinned.add(key)
+            self.trim()
+
+    def unpin(self, key: Hashable) -> bool:
+        """Let ``key``'s entry be evicted again (least recently used first); whether it was pinned."""
+        with self._lock:
+            if key not in self._pinned:
+                return False
+            self._pinned.discard(key)
+            self.trim()
+            return True
+
+    def pinned(self) -> list:
+        """The pinned keys (kept or not: an entry dropped because the model changed is pinned again when it is
+        prefilled anew)."""
+        with self._lock:
+            return list(self._pinned)
+
+    def pinned_nbytes(self) -> int:
+        """Bytes the pinned entries hold now."""
+        with self._lock:
+            return sum(self._entries[k][1] for k in self._pinned if k in self._entries)
 
     def get(self, key: Hashable, depends: object, build: Callable[[], object],
             fresh: Callable[[object], bool] | None = None) -> object:
@@ -243,7 +314,7 @@ class PrefixStore:
         running call stay (so the store may exceed its budget while they run; a call lets go of them when it ends,
         ``holding``, and the store is within its budget again)."""
         with self._lock:
-            keep = set(keep) | set(self._held)
+            keep = set(keep) | set(self._held) | self._pinned
             held = self.nbytes()
             for key in list(self._entries):
                 if held <= self._budget:
@@ -255,8 +326,10 @@ class PrefixStore:
                 self._packed = None  # it holds a dropped entry's KV: let that go too
 
     def clear(self) -> None:
+        """Drop every entry, pinned ones too (and their pins)."""
         with self._lock:
             self._entries.clear()
+            self._pinned.clear()
             self._packed = None
 
     def nbytes(self) -> int:

@@ -44,9 +44,9 @@ def main(model_dir: str, out_dir: str) -> None:
     heads = set()
     attend = continuous.paged_relay_attention
 
-    def spy(query, key, value, plan, **kw):
+    def spy(query, key, value, step, options):
         heads.add((query.shape[1], key.shape[1]))
-        return attend(query, key, value, plan, **kw)
+        return attend(query, key, value, step, options)
 
     continuous.paged_relay_attention = spy
     relay_hf.patch(model, min_prefix_length=8)

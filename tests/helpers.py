@@ -92,6 +92,17 @@ def oracle_attention(q, pk, pv, sk, sv, lengths=None, end=None, softcap=None, si
     return out
 
 
+def planned(query, prefix_key, prefix_value, suffix_key, suffix_value, suffix_lengths=None, suffix_end=None,
+            prefix_groups=None, config=None, **options):
+    """``plan.plan_relay`` for a free call's arguments (a step of its own, the options by name)."""
+    from relay_hf.kernels.metadata import StepMetadata
+    from relay_hf.kernels.options import AttentionOptions
+    from relay_hf.kernels.plan import plan_relay
+
+    return plan_relay(StepMetadata(suffix_lengths, suffix_end, prefix_groups), AttentionOptions(**options), query,
+                      prefix_key, prefix_value, suffix_key, suffix_value, config)
+
+
 def rel_err(out, ref) -> float:
     out, ref = out.double(), ref.double().to(out.device)
     return float((out - ref).norm() / ref.norm().clamp_min(1e-30))

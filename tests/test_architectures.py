@@ -130,7 +130,7 @@ def test_value_head_dim_may_differ_from_the_keys(static):
     suffix_k, suffix_v = torch.cat(keys, 2), torch.cat(values, 2)  # [B, H, 10, D], [B, H, 10, D_v]
     L = suffix_k.shape[2]
     assert lay.keys.shape[-1] == D and lay.values.shape[-1] == D_v and lay.keys.shape[2] == lay.values.shape[2]
-    end = key.end if static else None
+    end = key.step.suffix_end if static else None
     assert torch.equal(key.suffix[:, :, :L], suffix_k) and torch.equal(value.suffix[:, :, :L], suffix_v)
     query = torch.randn(B, H, 1, D, generator=g)
     out = relay_attention(query, key.prefix, value.prefix, key.suffix, value.suffix, suffix_end=end)

@@ -7,6 +7,7 @@ from transformers.masking_utils import sdpa_mask
 
 from relay_hf import attention
 from relay_hf.attention import RelayMask, relay_attention_forward, relay_mask
+from relay_hf.kernels import StepMetadata
 from relay_hf.layers import RelayKV, RelayOffset
 
 
@@ -70,8 +71,9 @@ class _Module(torch.nn.Module):
 def _inputs(P=4, L=3):
     g = torch.Generator().manual_seed(0)
     q = torch.randn(2, 4, 1, 8, generator=g)
-    k = RelayKV(torch.randn(1, 2, P, 8, generator=g), torch.randn(2, 2, L, 8, generator=g))
-    v = RelayKV(torch.randn(1, 2, P, 8, generator=g), torch.randn(2, 2, L, 8, generator=g))
+    step = StepMetadata()  # the rows' extents come from the mask
+    k = RelayKV(torch.randn(1, 2, P, 8, generator=g), torch.randn(2, 2, L, 8, generator=g), step)
+    v = RelayKV(torch.randn(1, 2, P, 8, generator=g), torch.randn(2, 2, L, 8, generator=g), step)
     return q, k, v
 
 
@@ -113,12 +115,13 @@ def test_a_static_cache_always_gets_the_window(monkeypatch, static):
     cache (its keys carry ``end``) the window goes to the kernels even when this call's keys all fit inside it; a
     dynamic cache gets it only where it can exclude a key."""
     seen = []
-    real = attention.relay_attention
-    monkeypatch.setattr(attention, "relay_attention", lambda *a, **kw: seen.append(kw["window"]) or real(*a, **kw))
+    real = attention.attend
+    monkeypatch.setattr(attention, "attend", lambda step, options, *a: seen.append(options.window) or
+                        real(step, options, *a))
     q, k, v = _inputs()  # 7 positions (prefix + suffix): within a window of 100
     if static:
-        end = torch.tensor(k.suffix.shape[-2])
-        k, v = k._replace(end=end), v._replace(end=end)
+        step = StepMetadata(suffix_end=torch.tensor(k.suffix.shape[-2]))
+        k, v = k._replace(step=step), v._replace(step=step)
     relay_attention_forward(_Module(), q, k, v, RelayMask(torch.tensor([3, 1])), sliding_window=100)
     assert seen == [100 if static else None]
 
@@ -138,7 +141,27 @@ def test_custom_4d_mask_is_refused_unless_the_cache_carries_the_layout():
     with pytest.raises(ValueError, match="cannot read the rows' padding"):
         relay_attention_forward(_Module(), q, k, v, torch.ones(2, 1, 1, 7, dtype=torch.bool))
     lengths = torch.tensor([3, 1], dtype=torch.int32)
-    k, v = k._replace(lengths=lengths), v._replace(lengths=lengths)
+    step = StepMetadata(lengths)
+    k, v = k._replace(step=step), v._replace(step=step)
     out, _ = relay_attention_forward(_Module(), q, k, v, torch.ones(2, 1, 1, 7, dtype=torch.bool))
     ref, _ = relay_attention_forward(_Module(), q, k, v, RelayMask(lengths))
     assert torch.equal(out, ref)
+
+
+def test_a_module_s_options_are_built_once_and_follow_its_values():
+    """The glue builds one ``AttentionOptions`` per module and reuses it while the module asks the same (the step's
+    plans find it by its ``key``); other values build new options; a module's entry dies with it."""
+    import gc
+
+    module = _Module()
+    first = attention.module_options(module, 0.5, None, {"softcap": 30.0})
+    assert attention.module_options(module, 0.5, None, {"softcap": 30.0}) is first
+    assert (first.scale, first.softcap, first.window, first.sinks) == (0.5, 30.0, None, None)
+    other = attention.module_options(module, 0.5, 8, {"softcap": 30.0})
+    assert other is not first and other.window == 8 and other.key != first.key
+    sinks = torch.zeros(4)
+    assert attention.module_options(module, 0.5, 8, {"s_aux": sinks}).sinks is sinks
+    key = id(module)
+    del module
+    gc.collect()
+    assert key not in attention._OPTIONS

@@ -145,3 +145,15 @@ def test_kept_check_cpu_smoke_run_prints_the_call_and_the_check(capsys, one_thre
                      "--batch", "2", "--user-len", "4", "--new-tokens", "3", "--reps", "1"])
     out = capsys.readouterr().out
     assert "generate under the kept prompt:" in out and "% of the call)" in out and "the structure" in out
+
+
+def test_the_host_layer_call_is_the_seam_s_relay_attention(one_thread):
+    """``host_layer`` times layer 0's attention through the seam on a forked ``RelayCache``: relay attention over the
+    stored prefix and the rows' suffix (here on the CPU, the reference; on CUDA the step's plan)."""
+    import relay_hf
+    from tests.helpers import tiny_model
+
+    model = relay_hf.patch(tiny_model("llama"), min_prefix_length=8)
+    out, weights = generate._layer_call(model, torch.arange(10, 30), 3, 5)()
+    c = model.config
+    assert out.shape == (3, 1, c.num_attention_heads, c.head_dim) and weights is None and torch.isfinite(out).all()

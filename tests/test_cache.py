@@ -131,11 +131,11 @@ def test_static_layer_writes_in_place_and_tracks_extents_on_device():
     k, v = lay.relay_update(torch.randn(3, 2, 6, 8), torch.randn(3, 2, 6, 8))
     ptrs = (lay.keys.data_ptr(), lay.end.data_ptr(), lay.row_lengths.data_ptr())
     assert k.suffix.shape == (3, 2, 8, 8) and k.prefix is lay.prefix_keys
-    assert int(k.end) == 6 and k.lengths.tolist() == [6, 4, 1]  # padding excluded
+    assert int(k.step.suffix_end) == 6 and k.step.suffix_lengths.tolist() == [6, 4, 1]  # padding excluded
     step = torch.randn(3, 2, 1, 8)
     k, v = lay.relay_update(step, -step)
     assert (lay.keys.data_ptr(), lay.end.data_ptr(), lay.row_lengths.data_ptr()) == ptrs
-    assert int(k.end) == 7 and k.lengths.tolist() == [7, 5, 2]
+    assert int(k.step.suffix_end) == 7 and k.step.suffix_lengths.tolist() == [7, 5, 2]
     assert torch.equal(k.suffix[:, :, 6:7], step) and torch.equal(v.suffix[:, :, 6:7], -step)
     assert int(lay.get_seq_length()) == 5 + 7
     lay.reset()

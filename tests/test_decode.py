@@ -1,7 +1,7 @@
-"""relay_hf's own decode loop (``relay_hf/decode.py``), forced on the CPU with ``patch(model, decode="graph")``: token
-for token, streamer put for streamer put and RNG draw for RNG draw what stock ``generate`` gives (greedy, sampling,
-repetition penalty, EOS per row, minimum lengths, return sequences, stop strings), on five architectures; calls it
-cannot serve go to transformers' loop and say why."""
+"""relay_hf's own decode loop (``relay_hf/decode.py``, its step ``step.py`` and token choice ``sampling.py``), forced
+on the CPU with ``patch(model, decode="graph")``: token for token, streamer put for streamer put and RNG draw for RNG
+draw what stock ``generate`` gives (greedy, sampling, repetition penalty, EOS per row, minimum lengths, return
+sequences, stop strings), on five architectures; calls it cannot serve go to transformers' loop and say why."""
 
 import contextlib
 import copy
@@ -21,9 +21,10 @@ from transformers import (
 from transformers.generation.streamers import BaseStreamer
 
 import relay_hf
-from relay_hf.decode import DEFAULT_DECODE, WARM_UP_STEPS, Captured, DecodeConfig, Eager, Pending, Warming
+from relay_hf.graphs import Captured, Eager, Pending, Warming
 from relay_hf.policy import decide
 from relay_hf.state import relay_state
+from relay_hf.step import DEFAULT_DECODE, WARM_UP_STEPS, DecodeConfig
 from tests.helpers import VOCAB, grouped_batch, run_stock, shared_prefix_batch, tiny_model
 
 GRAPH = dict(min_prefix_length=8, decode="graph")
@@ -527,7 +528,7 @@ def test_a_patched_model_with_a_kept_step_can_be_deep_copied():
 def test_capture_blas_preference_is_scoped(dtype):
     """The decode graph's cuBLASLt preference holds only inside the capture, only for 16-bit models (fp32 steps keep
     the GEMMs the eager path uses), and a build without cuBLASLt (the CPU one) just keeps what it has."""
-    from relay_hf.decode import preferred_blas
+    from relay_hf.step import preferred_blas
 
     before = torch.backends.cuda.preferred_blas_library()
     with preferred_blas(DEFAULT_DECODE.capture_blas, dtype):
@@ -543,7 +544,7 @@ def test_forward_compile_arguments_add_combo_kernels_on_cuda_under_the_users_opt
     """Inductor on CUDA gets the decode config's step options with the mode's own options spelled out (torch.compile
     takes a mode or options, not both); the user's options win; other backends and the CPU get the user's settings
     unchanged."""
-    from relay_hf.decode import step_compile_kwargs
+    from relay_hf.step import step_compile_kwargs
 
     cuda = step_compile_kwargs(CompileConfig(fullgraph=True), "cuda")
     assert cuda == dict(fullgraph=True, backend="inductor", mode=None, options={"combo_kernels": True})
@@ -560,7 +561,7 @@ def test_forward_compile_arguments_add_combo_kernels_on_cuda_under_the_users_opt
 
 
 def test_forward_options_this_torch_does_not_know_are_left_out():
-    from relay_hf.decode import step_compile_kwargs
+    from relay_hf.step import step_compile_kwargs
 
     options = (("combo_kernels", True), ("no_such_inductor_option", 1))
     assert step_compile_kwargs(CompileConfig(), "cuda", options)["options"] == {"combo_kernels": True}
@@ -649,6 +650,7 @@ def test_the_step_warms_up_then_captures_its_forward_and_choice_once_on_gpu(monk
     calls = [dict(max_new_tokens=1 + WARM_UP_STEPS, do_sample=False), dict(max_new_tokens=6, do_sample=False),
              dict(max_new_tokens=6, do_sample=False), dict(max_new_tokens=6, do_sample=True, top_k=20)]
     stock = [run_stock(model, ids, mask, **call) for call in calls]
+    relay_hf.patch(model, **GRAPH, prefix_cache_bytes=0)  # no kept prefixes: their check captures a graph of its own
     captures = _count_captures(monkeypatch)
     seen = []
     for call, out in zip(calls, stock, strict=True):
@@ -678,6 +680,7 @@ def test_a_capture_that_fails_is_warned_once_and_not_retried_on_gpu(monkeypatch,
     ids, mask = ids.cuda(), mask.cuda()
     gen = dict(max_new_tokens=12, do_sample=True, top_k=20)
     stock, draw = run_stock(model, ids, mask, **gen), torch.rand(3, device="cuda")
+    relay_hf.patch(model, **GRAPH, prefix_cache_bytes=0)  # no kept prefixes: their check captures a graph of its own
     captures = _count_captures(monkeypatch, fail_from)
     for call in range(2):
         with _relay_warnings() as found:

@@ -397,17 +397,17 @@ def test_beam_search_matches(arch_model):
 
 
 def test_relay_kernel_is_what_runs(monkeypatch):
-    """The relay path really goes through relay_attention with one un-expanded prefix copy."""
+    """The relay path really goes through relay attention (``kernels.attend``) with one un-expanded prefix copy."""
     import relay_hf.attention as seam
 
     seen = []
-    real = seam.relay_attention
+    real = seam.attend
 
-    def spy(query, prefix_key, *args, **kwargs):
+    def spy(step, options, query, prefix_key, *args):
         seen.append((query.shape[0], prefix_key.shape[0], prefix_key.shape[2]))
-        return real(query, prefix_key, *args, **kwargs)
+        return real(step, options, query, prefix_key, *args)
 
-    monkeypatch.setattr(seam, "relay_attention", spy)
+    monkeypatch.setattr(seam, "attend", spy)
     model = relay_hf.patch(tiny_model("llama"), min_prefix_length=8)
     seen.clear()  # patch's probe forward ran relay too
     ids, mask, _ = shared_prefix_batch()

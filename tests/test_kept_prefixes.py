@@ -267,3 +267,19 @@ def test_a_one_row_call_under_a_kept_prompt_prefills_only_its_own_tokens(model, 
     other = torch.randint(3, VOCAB, (60,), generator=torch.Generator().manual_seed(10))[None]  # under no kept prompt
     out = model.generate(other, attention_mask=torch.ones_like(other), **GEN)
     assert not model.relay_last_decision.used and torch.equal(out, stock(model, other, torch.ones_like(other)))
+
+
+def test_int32_ids_find_the_prompt_int64_ids_kept(model, prompt):
+    """Token ids are keyed as int64 whatever the caller's dtype: a chat turn passing int32 ``input_ids`` reads the
+    prompt a batch of int64 ids kept (and the other way round)."""
+    ids, mask = batch(prompt, 1)
+    model.generate(ids, attention_mask=mask, **GEN)
+    row = torch.cat([prompt, torch.randint(3, VOCAB, (7,), generator=torch.Generator().manual_seed(9))])[None]
+    row32 = row.to(torch.int32)
+    out = model.generate(row32, attention_mask=torch.ones_like(row32), **GEN)
+    assert model.relay_last_decision.used and model.relay_last_decision.prefix_kept == 48
+    assert torch.equal(out, stock(model, row32, torch.ones_like(row32)))
+    ids32, mask32 = batch(prompt, 2, own=(5, 2, 7, 4))
+    out = model.generate(ids32.to(torch.int32), attention_mask=mask32, **GEN)
+    assert model.relay_last_decision.prefix_kept == 48
+    assert torch.equal(out, stock(model, ids32.to(torch.int32), mask32))

@@ -1,10 +1,11 @@
-"""relay_hf.paged: one continuous-batching step planned from a paged cache's read index, against float64 attention
+"""relay_hf.paged: one continuous-batching step laid out from a paged cache's read index, against float64 attention
 over each request's whole KV (fresh random inputs)."""
 
 import pytest
 import torch
 
-from relay_hf.paged import paged_relay_attention, plan_paged_step
+from relay_hf.kernels import AttentionOptions
+from relay_hf.paged import paged_relay_attention, paged_step
 
 
 def _step(g, requests, tokens=420, H_kv=2, G=2, D=8):
@@ -39,10 +40,10 @@ def _reference(query, read, cu_q, cu_k, cache_k, cache_v, scale, softcap=None):
 
 
 def _run(query, read, cu_q, cu_k, cache_k, cache_v, min_shared, scale=0.3, softcap=None):
-    plan = plan_paged_step(read, cu_q, cu_k, min_shared, torch.device("cpu"))
-    source = plan.read_index if plan.read_index is not None else read
+    step = paged_step(read, cu_q, cu_k, min_shared, torch.device("cpu"))
+    source = step.read_index if step.read_index is not None else read
     key, value = (c[source].transpose(0, 1).unsqueeze(0) for c in (cache_k, cache_v))  # as the cache gathers
-    return plan, paged_relay_attention(query, key, value, plan, scale=scale, softcap=softcap)
+    return step, paged_relay_attention(query, key, value, step, AttentionOptions(scale, softcap))
 
 
 def _r(a, b):
@@ -67,43 +68,43 @@ STEP = [
 def test_a_mixed_step_under_two_prompts_and_a_document_matches_attention_over_each_whole_kv():
     g = torch.Generator().manual_seed(0)
     read, cu_q, cu_k, ck, cv, query = _step(g, STEP)
-    plan, out = _run(query, read, cu_q, cu_k, ck, cv, min_shared=16)
+    step, out = _run(query, read, cu_q, cu_k, ck, cv, min_shared=16)
     torch.testing.assert_close(out, _reference(query, read, cu_q, cu_k, ck, cv, 0.3), rtol=1e-10, atol=1e-10)
     # each run decoding requests share is read once: the first prompt (4 readers), the document under it (2), the
     # second prompt (2); prefilling requests read their whole KV, as stock
-    assert plan.prefix_length == 100 + 40 + 60
-    assert torch.equal(plan.read_index[:200], torch.cat([torch.arange(0, 100), torch.arange(200, 240),
+    assert step.prefix_length == 100 + 40 + 60
+    assert torch.equal(step.read_index[:200], torch.cat([torch.arange(0, 100), torch.arange(200, 240),
                                                           torch.arange(100, 160)]))
-    assert plan.shared_tokens == 100 * 3 + 40 * 1 + 60 * 1
-    assert plan.decode.rows == 6 and plan.decode.groups is not None and len(plan.prefill) == 3
-    assert plan.decode.groups.prefix_lengths == (100, 140, 140, 60, 100, 60)
+    assert step.shared_tokens == 100 * 3 + 40 * 1 + 60 * 1
+    assert step.decode.rows == 6 and step.decode.step.groups is not None and len(step.prefill) == 3
+    assert step.decode.step.groups.prefix_lengths == (100, 140, 140, 60, 100, 60)
 
 
 def test_one_prompt_for_every_decode_row_reads_it_once_without_groups():
     g = torch.Generator().manual_seed(1)
     read, cu_q, cu_k, ck, cv, query = _step(g, [(_r(0, 64) + _r(100 + 10 * i, 103 + 10 * i + i), 1)
                                                 for i in range(5)])
-    plan, out = _run(query, read, cu_q, cu_k, ck, cv, min_shared=32)
+    step, out = _run(query, read, cu_q, cu_k, ck, cv, min_shared=32)
     torch.testing.assert_close(out, _reference(query, read, cu_q, cu_k, ck, cv, 0.3), rtol=1e-10, atol=1e-10)
-    assert plan.prefix_length == 64 and plan.shared_tokens == 64 * 4 and plan.decode.groups is None
-    assert plan.read_index.numel() == 64 + 5 * 7  # the longest own part is 3 + 4 tokens
+    assert step.prefix_length == 64 and step.shared_tokens == 64 * 4 and step.decode.step.groups is None
+    assert step.read_index.numel() == 64 + 5 * 7  # the longest own part is 3 + 4 tokens
 
 
 @pytest.mark.parametrize("min_shared", [65, 1000])
 def test_runs_shorter_than_min_shared_are_read_per_request(min_shared):
     g = torch.Generator().manual_seed(2)
     read, cu_q, cu_k, ck, cv, query = _step(g, [(_r(0, 64) + [200 + i], 1) for i in range(3)])
-    plan, out = _run(query, read, cu_q, cu_k, ck, cv, min_shared=min_shared)
+    step, out = _run(query, read, cu_q, cu_k, ck, cv, min_shared=min_shared)
     torch.testing.assert_close(out, _reference(query, read, cu_q, cu_k, ck, cv, 0.3), rtol=1e-10, atol=1e-10)
-    assert plan.prefix_length == 0 and plan.shared_tokens == 0
+    assert step.prefix_length == 0 and step.shared_tokens == 0
 
 
 def test_a_prefilling_request_reads_its_whole_kv_and_decoding_ones_share():
     g = torch.Generator().manual_seed(3)
     read, cu_q, cu_k, ck, cv, query = _step(g, [(_r(0, 40), 8), (_r(0, 40) + [50], 1), (_r(0, 40) + [51], 1)])
-    plan, out = _run(query, read, cu_q, cu_k, ck, cv, min_shared=4)
+    step, out = _run(query, read, cu_q, cu_k, ck, cv, min_shared=4)
     torch.testing.assert_close(out, _reference(query, read, cu_q, cu_k, ck, cv, 0.3), rtol=1e-10, atol=1e-10)
-    assert plan.prefix_length == 40 and plan.prefill == ((0, 8, 42, 82),) and plan.shared_tokens == 40
+    assert step.prefix_length == 40 and step.prefill == ((0, 8, 42, 82),) and step.shared_tokens == 40
 
 
 def test_a_step_that_reads_no_cache_lays_out_its_new_tokens():
@@ -113,9 +114,9 @@ def test_a_step_that_reads_no_cache_lays_out_its_new_tokens():
     k = torch.randn(1, 2, 15, 8, generator=g, dtype=torch.float64)
     v = torch.randn(1, 2, 15, 8, generator=g, dtype=torch.float64)
     query = torch.randn(1, 4, 15, 8, generator=g, dtype=torch.float64)
-    plan = plan_paged_step(torch.zeros(0, dtype=torch.int64), cu, cu, 1, torch.device("cpu"))
-    assert plan.read_index is None and plan.prefix_length == 0
-    out = paged_relay_attention(query, k, v, plan, scale=0.3)
+    step = paged_step(torch.zeros(0, dtype=torch.int64), cu, cu, 1, torch.device("cpu"))
+    assert step.read_index is None and step.prefix_length == 0
+    out = paged_relay_attention(query, k, v, step, AttentionOptions(0.3))
     ref = _reference(query, torch.arange(15), cu, cu, k[0].transpose(0, 1), v[0].transpose(0, 1), 0.3)
     torch.testing.assert_close(out, ref, rtol=1e-10, atol=1e-10)
     assert sum(lengths) == 15

@@ -1,4 +1,4 @@
-"""Every relay-or-stock rule: when relay pays, and the one frozen plan ``decide`` makes per call."""
+"""Every relay-or-stock rule: when relay pays, and the one frozen route ``decide`` gives each call."""
 
 import dataclasses
 
@@ -6,36 +6,37 @@ import pytest
 import torch
 
 import relay_hf
-from relay_hf.policy import CUDA_MIN_SHARED_TOKENS, decide, relay_pays
+from relay_hf.policy import CUDA_MIN_SHARED_TOKENS, cost_reason, decide
+from relay_hf.sampling import loop_sampler
 from tests.helpers import shared_prefix_batch, tiny_model
 
 CPU, CUDA = torch.device("cpu"), torch.device("cuda")
 
 
 def test_single_row_and_short_prefix_go_plain():
-    assert "single row" in relay_pays(1, 4096, CPU, 32)
-    assert "min_prefix_length" in relay_pays(8, 16, CPU, 32)
-    assert relay_pays(2, 32, CPU, 32) is None
+    assert "single row" in cost_reason(1, 4096, CPU, 32)
+    assert "min_prefix_length" in cost_reason(8, 16, CPU, 32)
+    assert cost_reason(2, 32, CPU, 32) is None
 
 
 def test_cuda_needs_enough_shared_tokens():
     """The threshold is where the kernel benchmark measured relay beating SDPA over the expanded prefix
     (``benchmarks/kernel.py``; docs/performance.md)."""
-    assert relay_pays(4, 512, CUDA, 32) is not None  # below the smallest measured win
-    assert relay_pays(8, 512, CUDA, 32) is None
-    assert relay_pays(32, 512, CUDA, 32) is None
-    assert relay_pays(4, CUDA_MIN_SHARED_TOKENS // 4, CUDA, 32) is None
+    assert cost_reason(4, 512, CUDA, 32) is not None  # below the smallest measured win
+    assert cost_reason(8, 512, CUDA, 32) is None
+    assert cost_reason(32, 512, CUDA, 32) is None
+    assert cost_reason(4, CUDA_MIN_SHARED_TOKENS // 4, CUDA, 32) is None
 
 
 def test_captured_loop_runs_relay_from_one_row_on_cuda_only():
-    assert relay_pays(1, 100, CUDA, 32, captured_loop=True) is None  # the loop, not the kernel, decides
-    assert relay_pays(2, 100, CUDA, 32, captured_loop=True) is None  # below CUDA_MIN_SHARED_TOKENS
-    assert "min_prefix_length" in relay_pays(1, 16, CUDA, 32, captured_loop=True)
-    assert "single row" in relay_pays(1, 4096, CPU, 32, captured_loop=True)  # no captured loop on CPU
-    assert "single row" in relay_pays(1, 4096, CUDA, 32)
+    assert cost_reason(1, 100, CUDA, 32, captured_loop=True) is None  # the loop, not the kernel, decides
+    assert cost_reason(2, 100, CUDA, 32, captured_loop=True) is None  # below CUDA_MIN_SHARED_TOKENS
+    assert "min_prefix_length" in cost_reason(1, 16, CUDA, 32, captured_loop=True)
+    assert "single row" in cost_reason(1, 4096, CPU, 32, captured_loop=True)  # no captured loop on CPU
+    assert "single row" in cost_reason(1, 4096, CUDA, 32)
 
 
-# -- decide: one frozen plan per call ------------------------------------------------------------------------------
+# -- decide: one frozen route per call -----------------------------------------------------------------------------
 def _call(ids, mask, **kw):
     return dict(inputs=ids, attention_mask=mask, **kw)
 
@@ -54,55 +55,58 @@ def model():
 
 
 def test_an_unpatched_model_runs_stock_as_expected(batch):
-    plan = decide(tiny_model("llama"), _call(*batch))
-    assert not plan.relay and plan.expected and "not patched" in plan.reason
+    route = decide(tiny_model("llama"), _call(*batch))
+    assert not route.relay and route.expected and "not patched" in route.reason
 
 
-def test_a_relay_plan_is_frozen_and_says_what_runs(model, batch):
-    plan = decide(model, _call(*batch, max_new_tokens=5))
-    assert plan.relay and (plan.rows, plan.prefix_length, plan.new_tokens) == (4, 40, 5) and not plan.static
-    assert "decode='graph'" in plan.loop_reason  # off CUDA the default is transformers' loop, and says so
+def test_a_relay_route_is_frozen_and_says_what_runs(model, batch):
+    route = decide(model, _call(*batch, max_new_tokens=5))
+    assert route.relay and (route.rows, route.prefix_length, route.new_tokens) == (4, 40, 5) and not route.static
+    assert "decode='graph'" in route.loop_reason  # off CUDA the default is transformers' loop, and says so
     with pytest.raises(dataclasses.FrozenInstanceError):
-        plan.relay = False
-    decision = plan.decision()
+        route.relay = False
+    decision = route.decision()
     assert (decision.used, decision.prefix_length, decision.rows) == (True, 40, 4)
 
 
-# (patch's decode mode, generate arguments) -> what the plan must say
+# (patch's decode mode, generate arguments) -> what the route, and the sampler the loop builds from it, must say
 SCENARIOS = {
     "static: relay_hf's loop, no compile on the CPU": (
         "auto", dict(cache_implementation="static"),
-        lambda p: p.static and p.fast_decode and p.compile_config is None),
+        lambda p, sampler: p.static and p.fast_decode and p.compile_config is None),
     "static sampling: the loop samples too": (
         "auto", dict(cache_implementation="static", do_sample=True),
-        lambda p: p.static and p.fast_decode and p.sampler.sample),
+        lambda p, sampler: p.static and p.fast_decode and sampler.sample),
     "scores: transformers' loop on a static cache": (
         "auto", dict(cache_implementation="static", output_scores=True, return_dict_in_generate=True),
-        lambda p: p.static and not p.fast_decode and "return_dict_in_generate" in p.loop_reason),
+        lambda p, sampler: p.static and not p.fast_decode and "return_dict_in_generate" in p.loop_reason),
     "repetition penalty off the loop: stock (its processor reads pad positions)": (
         "auto", dict(repetition_penalty=1.2),
-        lambda p: not p.relay and "repetition_penalty" in p.reason),
+        lambda p, sampler: not p.relay and "repetition_penalty" in p.reason),
     "repetition penalty on the loop: relay": (
         "graph", dict(repetition_penalty=1.2),
-        lambda p: p.relay and p.fast_decode and p.sampler.penalty == 1.2),
+        lambda p, sampler: p.relay and p.fast_decode and sampler.penalty == 1.2),
     "a processor the loop does not serve: transformers' loop": (
         "graph", dict(suppress_tokens=[5]),
-        lambda p: p.relay and not p.fast_decode and "SuppressTokens" in p.loop_reason),
+        lambda p, sampler: p.relay and not p.fast_decode and "SuppressTokens" in p.loop_reason),
     "beams: relay on transformers' loop": (
         "auto", dict(num_beams=2, num_return_sequences=2),
-        lambda p: p.relay and p.rows == 8 and not p.static),
+        lambda p, sampler: p.relay and p.rows == 8 and not p.static),
     "no_repeat_ngram_size: stock, unexpected (warned)": (
         "auto", dict(no_repeat_ngram_size=2),
-        lambda p: not p.relay and not p.expected and "no_repeat_ngram_size" in p.reason),
+        lambda p, sampler: not p.relay and not p.expected and "no_repeat_ngram_size" in p.reason),
 }
 
 
 @pytest.mark.parametrize("scenario", SCENARIOS)
-def test_each_scenario_gets_its_plan(model, batch, scenario):
+def test_each_scenario_gets_its_route(model, batch, scenario):
     decode, kwargs, holds = SCENARIOS[scenario]
     relay_hf.patch(model, min_prefix_length=8, decode=decode)
-    plan = decide(model, _call(*batch, max_new_tokens=5, **kwargs))
-    assert holds(plan), plan
+    route = decide(model, _call(*batch, max_new_tokens=5, **kwargs))
+    # deciding builds no sampler: the loop builds it from the processors the route carries
+    assert (route.processors is not None) == route.fast_decode
+    sampler = loop_sampler(model, route.gen, route.ids, route.processors) if route.fast_decode else None
+    assert holds(route, sampler), route
 
 
 def test_the_loop_rounds_rows_up_to_a_bucket(model, batch):

@@ -11,7 +11,7 @@ import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
 import relay_hf
-from relay_hf import probe
+from relay_hf import probe_inputs
 from relay_hf.names import ATTN_NAME
 from relay_hf.prefill import trim_window
 from relay_hf.probe import probe_reason, probed_layers
@@ -214,10 +214,10 @@ def test_a_small_sliding_window_is_probed_past():
                       "(RuntimeError: past the window)")
     prefixes.clear()
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(probe, "MAX_WINDOW", 4)
+        mp.setattr(probe_inputs, "MAX_WINDOW", 4)
         mp.setattr(relay_hf.RelayCache, "from_prefix", classmethod(from_prefix))
         assert probe_reason(model) is None
-    assert prefixes and set(prefixes) == {probe.PROBE_PREFIX}
+    assert prefixes and set(prefixes) == {probe_inputs.PROBE_PREFIX}
 
 
 @pytest.mark.parametrize("model_type", ["llama", "qwen2", "mistral", "qwen3", "gemma3_text"])

@@ -113,7 +113,7 @@ def test_decode_view_of_a_path_replaces_only_that_list():
 
 def test_cpu_auto_decode_compiles_nothing():
     """``compiled_by_default`` holds on CUDA for 16-bit models only: on CPU the default loop stays uncompiled."""
-    from relay_hf.policy import compiled_by_default
+    from relay_hf.loop_rules import compiled_by_default
 
     model = relay_hf.patch(tiny_model("llama").to(torch.bfloat16), min_prefix_length=8)
     assert not compiled_by_default(model)

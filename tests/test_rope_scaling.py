@@ -12,7 +12,8 @@ import torch
 
 import relay_hf
 from relay_hf import policy
-from relay_hf.policy import decide, model_reason, rope_limits
+from relay_hf.policy import decide, model_reason
+from relay_hf.rope import rope_limits
 from tests.helpers import shared_prefix_batch, tiny_model
 
 LIMIT = 40  # positions: max_position_embeddings (dynamic NTK), original_max_position_embeddings (longrope)

@@ -6,7 +6,7 @@ import pickle
 import threading
 
 import relay_hf
-from relay_hf.state import RelayState, StaticSlot, relay_state
+from relay_hf.state import RelayState, StaticSlot, attach_state, detach_state, relay_state
 from tests.helpers import tiny_model
 
 
@@ -63,3 +63,11 @@ def test_relay_state_is_what_patch_keeps_on_the_model():
     assert relay_hf.patch(model) is model and relay_state(model) is state  # patching again keeps the state
     relay_hf.unpatch(model)
     assert relay_state(model) is None
+
+
+def test_attach_and_detach_put_the_state_on_the_instance_and_take_it_off():
+    model, state = tiny_model("llama"), RelayState("sdpa", 8, "declined: why")
+    attach_state(model, state)
+    assert relay_state(model) is state and relay_hf.is_patched(model)
+    assert relay_state(copy.deepcopy(model)).declined == "declined: why"  # copies carry it
+    assert detach_state(model) is state and relay_state(model) is None

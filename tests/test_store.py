@@ -6,7 +6,7 @@ import time
 import pytest
 import torch
 
-from relay_hf.store import PrefixStore, kv_dependencies
+from relay_hf.store import PrefixKey, PrefixStore, kv_dependencies
 from tests.helpers import tiny_model
 
 
@@ -145,3 +145,26 @@ def test_a_packing_is_kept_while_its_entries_are():
     store.get("b", 1, lambda: b"B" * 40)  # the model changed: entries and packing are rebuilt
     store.packed(["b"], pack)
     assert packs[-1] == [b"B" * 40] and len(packs) == 3
+
+
+def test_a_prefix_key_holds_its_start_and_ids_and_equals_the_plain_tuple():
+    ids = torch.tensor([5, 7, 11], dtype=torch.int64)
+    key = PrefixKey.of(4, ids)
+    assert (key.start, key.tokens) == (4, 3) and torch.equal(key.ids(), ids)
+    assert key == (4, ids.numpy().tobytes()) and hash(key) == hash((4, ids.numpy().tobytes()))
+    assert key != PrefixKey.of(0, ids)  # a child and a root of the same ids are different entries
+    key.ids()[0] = 99  # a copy: the key stays as it is
+    assert torch.equal(key.ids(), ids)
+    assert PrefixKey.of(4, ids.to(torch.int32)) == key  # int32 input_ids find what int64 ones kept
+
+
+def test_resize_validates_then_drops_down_to_the_new_budget():
+    store = _store(100)
+    for key in "abc":
+        store.get(key, 0, lambda: b"x" * 30)
+    with pytest.raises(ValueError, match="prefix_cache_bytes"):
+        store.resize(-1)
+    assert store.budget_bytes == 100 and store.keys() == ["a", "b", "c"]  # refused: nothing changed
+    with store.holding(["a"]):
+        store.resize(40)
+        assert store.budget_bytes == 40 and store.keys() == ["a"]  # held stays, the others go down to the budget

@@ -5,6 +5,8 @@ from __future__ import annotations
 import torch
 
 from .groups import GroupTables, PrefixGroups
+from .metadata import StepMetadata
+from .options import AttentionOptions, options_of
 from .reference import check_prefix_groups, default_scale, relay_attention_torch
 
 _TRITON_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -18,19 +20,19 @@ def _triton_ok() -> bool:
     return triton_available()
 
 
-_EAGER_KERNEL = None  # relay_attention_triton once an eager CUDA call found Triton usable, False if it cannot run
+_PLAN_FOR = None  # plan.plan_for once an eager CUDA call found Triton usable (imported then), False if it cannot run
 
 
-def _eager_kernel():
-    global _EAGER_KERNEL
-    if _EAGER_KERNEL is None:
+def _eager_planner():
+    global _PLAN_FOR
+    if _PLAN_FOR is None:
         if _triton_ok():
-            from .triton_relay import relay_attention_triton
+            from .plan import plan_for
 
-            _EAGER_KERNEL = relay_attention_triton
+            _PLAN_FOR = plan_for
         else:
-            _EAGER_KERNEL = False
-    return _EAGER_KERNEL
+            _PLAN_FOR = False
+    return _PLAN_FOR
 
 
 def _plain_eager(*tensors: torch.Tensor | None) -> bool:
@@ -78,10 +80,9 @@ def pin_tables(groups: PrefixGroups, prefix_key: torch.Tensor, prefix_value: tor
 
 
 def relay_attention(query: torch.Tensor, prefix_key: torch.Tensor, prefix_value: torch.Tensor,
-                    suffix_key: torch.Tensor, suffix_value: torch.Tensor, *, scale: float | None = None,
+                    suffix_key: torch.Tensor, suffix_value: torch.Tensor, *,
                     suffix_lengths: torch.Tensor | None = None, suffix_end: torch.Tensor | None = None,
-                    softcap: float | None = None, sinks: torch.Tensor | None = None, window: int | None = None,
-                    prefix_groups: PrefixGroups | GroupTables | None = None) -> torch.Tensor:
+                    prefix_groups: PrefixGroups | GroupTables | None = None, **options) -> torch.Tensor:
     """Exact attention of a batch over shared prefix KV, read once per batch, plus each row's own suffix.
 
     Args:
@@ -91,31 +92,26 @@ def relay_attention(query: torch.Tensor, prefix_key: torch.Tensor, prefix_value:
         suffix_key: ``[B, H_kv, L_s, D]``, suffix_value: ``[B, H_kv, L_s, D_v]``, left-padded: row ``b``'s valid
             tokens are its last ``suffix_lengths[b]`` positions. ``D_v`` may differ from ``D`` (MLA: DeepSeek-V3,
             MiniCPM3).
-        scale: softmax scale, ``D ** -0.5`` when ``None``.
         suffix_lengths: ``[B]`` integer tensor on the query's device, each in ``[0, end]``, or ``None`` when every
             suffix position is valid.
         suffix_end: one-element integer tensor on the query's device in ``[L_q, L_s]``, or ``None``. For static
             (preallocated, CUDA-graph friendly) suffix buffers: only the first ``end`` positions are filled, the
             queries are positions ``end - L_q ... end - 1`` and ``suffix_lengths`` counts the valid positions ending
             at ``end``. Read on the device, so a captured graph replays correctly as ``end`` grows.
-        softcap: every score becomes ``softcap * tanh(score / softcap)`` before the softmax (Gemma 2), or ``None``.
-        sinks: ``[H_q]`` floating point, one logit per query head that joins the softmax denominator once with no
-            value (gpt-oss), or ``None``.
-        window: a sliding window: a query at absolute position ``t`` (a row's prefix holds positions ``0 .. P_b -
-            1``, its valid suffix tokens the next ones) sees only keys at positions ``> t - window``, so its prefix
-            part covers ``[max(0, t - window + 1), P_b)``; ``None``: no window.
         prefix_groups: several shared prefixes in one batch (``PrefixGroups``): the segments packed in
             ``prefix_key`` and, per row, the segments it reads (its path: a system prompt, then maybe a document
             shared by some of that prompt's rows), each segment read once per batch for all its rows; ``None``:
             one prefix for every row. Inside a ``torch.compile`` region on CUDA pass the ``GroupTables`` built
-            ahead instead (``PrefixGroups.tables`` at ``triton_relay.grouped_launch_shape``): a compiled graph
-            cannot build them.
+            ahead instead (``PrefixGroups.tables`` at ``layout.grouped_launch_shape``): a compiled graph cannot build
+            them.
+        options: the attention options, by name, as ``AttentionOptions`` takes them (``scale``: ``D ** -0.5`` when
+            absent; a logit cap, sinks, a sliding window: ``options.AttentionOptions`` says what each does).
 
-    Every query sees its prefix and, causally, the valid part of its own suffix (both within ``window``). ``H_q``
-    must be a multiple of ``H_kv`` (GQA). All tensors share one dtype (fp16, bf16, fp32 or fp64) and device.
-    Shapes, dtypes and devices are checked always (``ValueError`` naming the argument); the values of
-    ``suffix_lengths`` and ``suffix_end`` only where that costs no host sync (CPU tensors, eager): on CUDA they are
-    the caller's contract, and out of range the kernels still read nothing outside the buffers.
+    Every query sees its prefix and, causally, the valid part of its own suffix (both within a window). ``H_q`` must
+    be a multiple of ``H_kv`` (GQA). All tensors share one dtype (fp16, bf16, fp32 or fp64) and device. Shapes,
+    dtypes and devices are checked always (``ValueError`` naming the argument); the values of ``suffix_lengths`` and
+    ``suffix_end`` only where that costs no host sync (CPU tensors, eager): on CUDA they are the caller's contract,
+    and out of range the kernels still read nothing outside the buffers.
 
     Returns:
         ``[B, H_q, L_q, D_v]`` in ``query.dtype`` (empty when ``B``, ``H_q``, ``L_q`` or ``D_v`` is 0). A query that
@@ -126,25 +122,34 @@ def relay_attention(query: torch.Tensor, prefix_key: torch.Tensor, prefix_value:
     kernels are tested against. Eager CUDA calls launch the kernels directly; under ``torch.compile``, or with inputs
     that require grad, they go through the custom op ``torch.ops.relay_hf.relay_attention``.
     """
-    if query.is_cuda and triton_serves(query.dtype, query.shape[-1], prefix_value.shape[-1], scale):
-        kernel_scale = default_scale(query.shape[-1]) if scale is None else float(scale)
-        if not _plain_eager(query, prefix_key, prefix_value, suffix_key, suffix_value, suffix_lengths, suffix_end,
-                            sinks):
+    step = StepMetadata(suffix_lengths, suffix_end, prefix_groups)
+    return attend(step, options_of(options), query, prefix_key, prefix_value, suffix_key, suffix_value)
+
+
+def attend(step: StepMetadata, options: AttentionOptions, query: torch.Tensor, prefix_key: torch.Tensor,
+           prefix_value: torch.Tensor, suffix_key: torch.Tensor, suffix_value: torch.Tensor) -> torch.Tensor:
+    """``relay_attention`` on a step's layout (``StepMetadata``) with a module's ``AttentionOptions``: what the HF
+    glue calls once per layer. Eager CUDA calls run the step's plan (``plan.plan_for``: planned by the step's first
+    layer, found in ``step.plans`` by the others); compiled or recorded calls go through the custom op; everything
+    the kernels do not serve runs the reference. Tensors and result as in ``relay_attention``."""
+    if query.is_cuda and triton_serves(query.dtype, query.shape[-1], prefix_value.shape[-1], options.scale):
+        lengths, end = step.suffix_lengths, step.suffix_end
+        if not _plain_eager(query, prefix_key, prefix_value, suffix_key, suffix_value, lengths, end, options.sinks):
             if _triton_ok():
                 from .op import relay_attention_op
 
-                tables = _tables_for_op(query, suffix_key.shape[1], prefix_key.shape[2], prefix_groups)
-                return relay_attention_op(query, prefix_key, prefix_value, suffix_key, suffix_value, kernel_scale,
-                                          suffix_lengths, suffix_end, softcap, sinks, window, *tables)
-        elif _eager_kernel():
-            # the same kernels without the custom op's dispatch, which costs more host time than the whole launch
+                tables = _tables_for_op(query, suffix_key.shape[1], prefix_key.shape[2], step.groups)
+                return relay_attention_op(query, prefix_key, prefix_value, suffix_key, suffix_value,
+                                          options.op_values(default_scale(query.shape[-1])), lengths, end,
+                                          options.sinks, *tables)
+        elif _eager_planner():
+            # the kernels without the custom op's dispatch, which costs more host time than the whole launch
             # (docs/performance.md)
-            return _EAGER_KERNEL(query, prefix_key, prefix_value, suffix_key, suffix_value, scale=kernel_scale,
-                                 suffix_lengths=suffix_lengths, suffix_end=suffix_end, softcap=softcap, sinks=sinks,
-                                 window=window, prefix_groups=prefix_groups)
-    return relay_attention_torch(query, prefix_key, prefix_value, suffix_key, suffix_value, scale=scale,
-                                 suffix_lengths=suffix_lengths, suffix_end=suffix_end, softcap=softcap, sinks=sinks,
-                                 window=window, prefix_groups=prefix_groups)
+            plan = _PLAN_FOR(step, options, query, prefix_key, prefix_value, suffix_key, suffix_value)
+            return plan.run(query, prefix_key, prefix_value, suffix_key, suffix_value, lengths, end, options.sinks)
+    return relay_attention_torch(query, prefix_key, prefix_value, suffix_key, suffix_value,
+                                 suffix_lengths=step.suffix_lengths, suffix_end=step.suffix_end,
+                                 prefix_groups=step.groups, **options.reference_kwargs())
 
 
 def _tables_for_op(query: torch.Tensor, H_kv: int, P: int, groups: PrefixGroups | GroupTables | None) -> tuple:
@@ -156,7 +161,7 @@ def _tables_for_op(query: torch.Tensor, H_kv: int, P: int, groups: PrefixGroups 
         return groups.items, groups.rows, groups.row_prefix, [groups.depth, groups.segments]
     if torch.compiler.is_compiling():
         raise ValueError("inside torch.compile, pass prefix_groups as the GroupTables built ahead "
-                         "(PrefixGroups.tables at triton_relay.grouped_launch_shape): a compiled graph cannot build "
+                         "(PrefixGroups.tables at layout.grouped_launch_shape): a compiled graph cannot build "
                          "them, and would replay one call's layout for every later call")
     from .config import active_config
     from .layout import grouped_launch_shape
@@ -168,4 +173,5 @@ def _tables_for_op(query: torch.Tensor, H_kv: int, P: int, groups: PrefixGroups 
     return (*groups.tables(query.device, block_m, folded, items), [groups.depth, groups.segments_per_level])
 
 
-__all__ = ["GroupTables", "PrefixGroups", "relay_attention", "relay_attention_torch", "triton_serves"]
+__all__ = ["AttentionOptions", "GroupTables", "PrefixGroups", "StepMetadata", "attend", "relay_attention",
+           "relay_attention_torch", "triton_serves"]

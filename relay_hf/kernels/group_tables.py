@@ -9,12 +9,24 @@ the layout (``TableCache``), or written into buffers a static cache pins (CUDA g
 from __future__ import annotations
 
 import threading
-from typing import TYPE_CHECKING, NamedTuple
+from collections.abc import Iterable, Sequence
+from typing import NamedTuple, Protocol
 
 import torch
 
-if TYPE_CHECKING:
-    from .groups import PrefixGroups
+
+class PrefixGroups(Protocol):
+    """What the tables read of a ``groups.PrefixGroups`` (which imports this module, so it is described here, not
+    imported: the package's imports run one way)."""
+
+    depth: int
+    offsets: Sequence[int]
+    lengths: Sequence[int]
+    bases: Sequence[int]
+    prefix_lengths: Sequence[int]
+    segment_rows: Sequence[Sequence[int]]  # per segment, the rows that read it
+
+    def level_rows(self, level: int) -> Iterable[tuple[int, list[int]]]: ...
 
 # columns of one work item of the grouped prefix kernel (``triton_relay``): a block of one segment's rows
 ITEM_FIELDS = ("offset", "length", "base", "row_start", "rows", "block_start", "level")

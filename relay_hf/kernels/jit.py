@@ -35,8 +35,8 @@ Tensors (``[...]`` shapes; strides travel as one tuple per tensor):
 * grouped prefixes: ``ITEMS [items, 7]`` / ``ROWS [levels * B]`` / ``ROWP [B]`` int32 (``groups.PrefixGroups
   .tables``); ``SINKS [H_q]`` sink logits (any float dtype). Absent ones are placeholders, never read.
 
-Sizes travel as ``dims = (N, P, L_q, L_s, G, D)``, the work split as ``prefix_plan = (blocks, splits, tiles per
-split, slots)`` and ``suffix_plan = (blocks, splits, tiles per split)``. Triton flattens tuples into the same scalar
+Sizes travel as ``dims = (N, P, L_q, L_s, G, D)``, the work split as ``prefix_work = (blocks, splits, tiles per
+split, slots)`` and ``suffix_work = (blocks, splits, tiles per split)``. Triton flattens tuples into the same scalar
 parameters, each specialised as a scalar would be (a unit stride stays a constant).
 
 Scores are in the log2 domain inside the kernels (``exp2``); every LSE that leaves a kernel is natural-log fp32.
@@ -54,7 +54,8 @@ except ImportError:  # pragma: no cover - triton is a Linux dependency; without 
 
     triton, tl = SimpleNamespace(jit=lambda fn: fn), SimpleNamespace(constexpr=lambda value: value)
 
-LOG2E = math.log2(math.e)  # exp(x) = exp2(x * LOG2E): the kernels' scores are in the log2 domain
+from .options import LOG2E  # noqa: E402  (below the optional Triton import; exp(x) = exp2(x * LOG2E))
+
 LN2 = math.log(2.0)  # log2 -> natural log: every LSE that leaves a kernel is natural-log
 
 # unit kinds of one ``_partials_kernel`` launch (its KIND): both in one grid, or one kind per launch (the
@@ -71,7 +72,7 @@ _FAR = tl.constexpr(1 << 30)  # beyond every position: the neutral element of a 
 # against the signatures.
 PARTIALS_PARAMS = ("Q", "PK", "PV", "KD", "VD", "SK", "SV", "LENS", "END", "PO", "PLSE", "O", "ITEMS", "ROWS", "ROWP",
                    "SINKS", "q_st", "pk_st", "pv_st", "sk_st", "sv_st", "o_st", "dims", "scale_log2", "softcap",
-                   "cap_scale", "prefix_plan", "suffix_plan")
+                   "cap_scale", "prefix_work", "suffix_work")
 MERGE_PARAMS = ("PO", "PLSE", "O", "SINKS", "o_st", "N", "L_q", "G", "D", "slots")
 # where the TMA descriptors sit among PARTIALS_PARAMS (consecutive: the direct launcher expands them in place)
 DESCRIPTOR_SLOTS = (PARTIALS_PARAMS.index("KD"), PARTIALS_PARAMS.index("VD"))
@@ -198,7 +199,7 @@ def _valid_suffix(LENS, END, b, ok, L_s, HAS_LENS: tl.constexpr, HAS_END: tl.con
 
 @triton.jit
 def _prefix_unit(Q, q_st, PK, pk_st, PV, pv_st, KD, VD, PO, PLSE, ITEMS, ROWS, ROWP, LENS, END, u, h, H_kv,
-                 dims, scale_log2, softcap, cap_scale, prefix_plan, HAS_LENS: tl.constexpr,
+                 dims, scale_log2, softcap, cap_scale, prefix_work, HAS_LENS: tl.constexpr,
                  HAS_END: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
                  IEEE: tl.constexpr, DOT_F32: tl.constexpr, TMA: tl.constexpr, GROUPED: tl.constexpr,
                  SOFTCAP: tl.constexpr, WINDOW: tl.constexpr):
@@ -211,7 +212,7 @@ def _prefix_unit(Q, q_st, PK, pk_st, PV, pv_st, KD, VD, PO, PLSE, ITEMS, ROWS, R
     ``ROWP`` when grouped, plus its place in the row's valid suffix) sees keys at positions ``> t - WINDOW``;
     keys no row of the block sees are skipped, keys every row sees run unmasked."""
     N, P, L_q, L_s, G, D = dims
-    blocks, splits, per, _ = prefix_plan
+    blocks, splits, per, _ = prefix_work
     r = tl.arange(0, BLOCK_M)
     if GROUPED:
         item, split = u % blocks, u // blocks
@@ -326,7 +327,7 @@ def _suffix_state(Q, q_st, SK, sk_st, SV, sv_st, LENS, END, b, h, qh, i, r_ok, d
 
 @triton.jit
 def _suffix_unit(Q, q_st, SK, sk_st, SV, sv_st, LENS, END, PO, PLSE, O, o_st, SINKS, w, h, H_kv, dims,
-                 scale_log2, softcap, cap_scale, prefix_slots, suffix_plan, HAS_LENS: tl.constexpr,
+                 scale_log2, softcap, cap_scale, prefix_slots, suffix_work, HAS_LENS: tl.constexpr,
                  HAS_END: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
                  IEEE: tl.constexpr, DOT_F32: tl.constexpr, FUSE: tl.constexpr, PDL: tl.constexpr,
                  PAIR: tl.constexpr, SOFTCAP: tl.constexpr, WINDOW: tl.constexpr, SINK: tl.constexpr):
@@ -335,7 +336,7 @@ def _suffix_unit(Q, q_st, SK, sk_st, SV, sv_st, LENS, END, PO, PLSE, O, o_st, SI
     two): merge with them and write ``O`` instead. ``PAIR`` (with ``FUSE``, one suffix block and split): unit
     ``w`` is rows ``2w`` and ``2w + 1``, both streamed before the wait (see ``KernelConfig.suffix_pair_above``)."""
     N, P, L_q, L_s, G, D = dims
-    suffix_blocks, suffix_splits, suffix_per = suffix_plan
+    suffix_blocks, suffix_splits, suffix_per = suffix_work
     rb, split, b = w % suffix_blocks, (w // suffix_blocks) % suffix_splits, w // (suffix_blocks * suffix_splits)
     if PAIR:
         b = 2 * w
@@ -375,8 +376,8 @@ def _suffix_unit(Q, q_st, SK, sk_st, SV, sv_st, LENS, END, PO, PLSE, O, o_st, SI
 
 @triton.jit
 def _partials_kernel(Q, PK, PV, KD, VD, SK, SV, LENS, END, PO, PLSE, O, ITEMS, ROWS, ROWP, SINKS,
-                     q_st, pk_st, pv_st, sk_st, sv_st, o_st, dims, scale_log2, softcap, cap_scale, prefix_plan,
-                     suffix_plan, HAS_LENS: tl.constexpr, HAS_END: tl.constexpr,
+                     q_st, pk_st, pv_st, sk_st, sv_st, o_st, dims, scale_log2, softcap, cap_scale, prefix_work,
+                     suffix_work, HAS_LENS: tl.constexpr, HAS_END: tl.constexpr,
                      BLOCK_MP: tl.constexpr, BLOCK_MS: tl.constexpr, BLOCK_N: tl.constexpr,
                      BLOCK_D: tl.constexpr, IEEE: tl.constexpr, DOT_F32: tl.constexpr, KIND: tl.constexpr,
                      FUSE: tl.constexpr, TMA: tl.constexpr, PDL: tl.constexpr, PAIR: tl.constexpr = False,
@@ -390,19 +391,19 @@ def _partials_kernel(Q, PK, PV, KD, VD, SK, SV, LENS, END, PO, PLSE, O, ITEMS, R
     if PDL and KIND == KIND_PREFIX:  # the suffix launch may start now; it waits for this one before its merge
         tl.extra.cuda.gdc_launch_dependents()
     H_kv = tl.num_programs(1)
-    prefix_blocks, prefix_splits, _, prefix_slots = prefix_plan
+    prefix_blocks, prefix_splits, _, prefix_slots = prefix_work
     if KIND == KIND_SUFFIX:
         u += prefix_blocks * prefix_splits
     # prefix units first (they share tiles through L2), then suffix units; both kinds in one wave
     if KIND != KIND_SUFFIX and (KIND == KIND_PREFIX or u < prefix_blocks * prefix_splits):
         _prefix_unit(Q, q_st, PK, pk_st, PV, pv_st, KD, VD, PO, PLSE, ITEMS, ROWS, ROWP, LENS, END, u, h, H_kv,
-                     dims, scale_log2, softcap, cap_scale, prefix_plan, HAS_LENS=HAS_LENS, HAS_END=HAS_END,
+                     dims, scale_log2, softcap, cap_scale, prefix_work, HAS_LENS=HAS_LENS, HAS_END=HAS_END,
                      BLOCK_M=BLOCK_MP, BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D, IEEE=IEEE, DOT_F32=DOT_F32, TMA=TMA,
                      GROUPED=GROUPED, SOFTCAP=SOFTCAP, WINDOW=WINDOW)
     else:
         _suffix_unit(Q, q_st, SK, sk_st, SV, sv_st, LENS, END, PO, PLSE, O, o_st, SINKS,
                      u - prefix_blocks * prefix_splits, h, H_kv, dims, scale_log2, softcap, cap_scale,
-                     prefix_slots, suffix_plan, HAS_LENS=HAS_LENS, HAS_END=HAS_END, BLOCK_M=BLOCK_MS,
+                     prefix_slots, suffix_work, HAS_LENS=HAS_LENS, HAS_END=HAS_END, BLOCK_M=BLOCK_MS,
                      BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D, IEEE=IEEE, DOT_F32=DOT_F32, FUSE=FUSE, PDL=PDL, PAIR=PAIR,
                      SOFTCAP=SOFTCAP, WINDOW=WINDOW, SINK=SINK)
 

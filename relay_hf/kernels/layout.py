@@ -36,7 +36,7 @@ def block_m(rows: int, cap: int) -> int:
     return min(cap, max(16, next_power_of_2(rows)))
 
 
-def plan_splits(P: int, N: int, H_kv: int, block_m: int, block_n: int, num_sms: int, waves: int | None = None,
+def prefix_split_count(P: int, N: int, H_kv: int, block_m: int, block_n: int, num_sms: int, waves: int | None = None,
                 budget: int | None = None, whole_waves: bool = False,
                 config: KernelConfig = DEFAULT_CONFIG) -> tuple[int, int]:
     """``(splits, tiles_per_split)`` for the prefix: enough programs for ``waves`` (``config.split_waves``) per SM
@@ -55,7 +55,7 @@ def plan_splits(P: int, N: int, H_kv: int, block_m: int, block_n: int, num_sms: 
     return cdiv(n_tiles, per), per
 
 
-def plan_suffix_splits(L_s: int, units: int, H_kv: int, block_n: int, num_sms: int,
+def suffix_split_count(L_s: int, units: int, H_kv: int, block_n: int, num_sms: int,
                        config: KernelConfig = DEFAULT_CONFIG) -> tuple[int, int]:
     """``(splits, tiles_per_split)`` for the suffix: split each row's suffix only when ``units * H_kv`` programs
     (one per row and row block) would leave SMs idle (``config.suffix_waves`` programs per SM)."""
@@ -80,11 +80,11 @@ def group_items(N: int, block_m: int, depth: int, segments: int) -> int:
     return depth * (cdiv(N, block_m) + segments)
 
 
-def plan_group_splits(P: int, N: int, segments: int, items: int, H_kv: int, block_n: int, num_sms: int,
+def group_split_count(P: int, N: int, segments: int, items: int, H_kv: int, block_n: int, num_sms: int,
                       waves: int | None = None, budget: int | None = None, whole_waves: bool = False,
                       config: KernelConfig = DEFAULT_CONFIG) -> int:
-    """Splits of every segment of a grouped prefix (``P`` packed positions, ``segments`` of them per level): the rule
-    of ``plan_splits`` for a typical segment (``P / segments`` positions read by ``N / segments`` folded rows), over
+    """Splits of every segment of a grouped prefix (``P`` packed positions, ``segments`` of them per level): the rule of
+    ``prefix_split_count`` for a typical segment (``P / segments`` positions read by ``N / segments`` folded rows), over
     ``items`` work items. At least 1: an empty segment still writes its rows' empty partial."""
     waves, budget = waves or config.split_waves, budget or config.partial_budget
     seg, rows = max(1, P // max(1, segments)), max(1, N // max(1, segments))
@@ -150,7 +150,7 @@ class LaunchLayout(NamedTuple):
 
 
 @functools.lru_cache(maxsize=1024)
-def plan_layout(B: int, N: int, G: int, L_q: int, P: int, L_s: int, H_kv: int, D: int, num_sms: int, hopper: bool,
+def launch_layout(B: int, N: int, G: int, L_q: int, P: int, L_s: int, H_kv: int, D: int, num_sms: int, hopper: bool,
                 config: KernelConfig = DEFAULT_CONFIG, groups: tuple[int, int] | None = None) -> LaunchLayout:
     """The launch layout for these sizes on ``num_sms`` SMs (``hopper``: a CUDA device that can PDL); ``groups``:
     ``(levels, segments per level)`` of a grouped prefix (``P`` its packed positions), ``None`` for one prefix."""
@@ -169,17 +169,17 @@ def plan_layout(B: int, N: int, G: int, L_q: int, P: int, L_s: int, H_kv: int, D
     if groups is None:
         p_blocks = cdiv(N, prefix[0])
         # the separate layout's prefix launch holds prefix programs only: whole waves of them (separate_split)
-        p_splits, p_per = plan_splits(P, N, H_kv, prefix[0], prefix[1], num_sms, *whole, whole_waves=sep,
+        p_splits, p_per = prefix_split_count(P, N, H_kv, prefix[0], prefix[1], num_sms, *whole, whole_waves=sep,
                                       config=config)
         p_slots = p_splits
     else:
         depth, segments = groups
         prefix = (group_block_m(N, D, segments, config), *prefix[1:])
         p_blocks = group_items(N, prefix[0], depth, segments)
-        p_splits = plan_group_splits(P, N, segments, p_blocks, H_kv, prefix[1], num_sms, *whole, whole_waves=sep,
+        p_splits = group_split_count(P, N, segments, p_blocks, H_kv, prefix[1], num_sms, *whole, whole_waves=sep,
                                      config=config)
         p_per, p_slots = 0, depth * p_splits
-    s_splits, s_per = plan_suffix_splits(L_s, B * s_blocks, H_kv, suffix[1], num_sms, config)
+    s_splits, s_per = suffix_split_count(L_s, B * s_blocks, H_kv, suffix[1], num_sms, config)
     slot_tile = next_power_of_2(max(p_slots, 1))
     fuse = (sep and s_splits == 1 and p_slots <= config.fused_merge_slots
             and suffix[0] * slot_tile <= config.fused_merge_tile)
@@ -192,5 +192,5 @@ def plan_layout(B: int, N: int, G: int, L_q: int, P: int, L_s: int, H_kv: int, D
 
 
 __all__ = ["LaunchLayout", "block_d", "block_m", "cdiv", "group_block_m", "group_items", "group_shape",
-           "grouped_launch_shape", "next_power_of_2", "plan_group_splits", "plan_layout", "plan_splits",
-           "plan_suffix_splits"]
+           "grouped_launch_shape", "next_power_of_2", "group_split_count", "launch_layout", "prefix_split_count",
+           "suffix_split_count"]

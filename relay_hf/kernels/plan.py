@@ -1,12 +1,13 @@
-"""``RelayPlan``: everything a relay call needs besides its tensors, built once per step layout and run per layer
+"""``RelayPlan``: everything a relay call needs besides its tensors, planned once per step and run per layer
 (FlashInfer's ``plan()`` / ``run()``).
 
-A step's layers share one layout: the shapes, dtypes and devices of the query, prefix and suffix, the prefix strides
-(TMA), which of ``suffix_lengths`` / ``suffix_end`` / ``sinks`` / ``softcap`` / ``window`` / prefix groups the call
-has, and the ``KernelConfig``. ``plan_relay`` validates that layout once, builds its plan (launch layout, scratch
-shapes, grids and constexprs of each launch, TMA descriptor cache, compiled-kernel cache) and keeps it by ``plan_key``;
-every later call with the same layout gets the same plan. A caller that knows the step's layout may also keep the
-plan and call ``run`` per layer, with no lookup at all.
+``plan_for(step, options, tensors)`` is the plan of one step's layout (``metadata.StepMetadata``) with one module's
+``options.AttentionOptions``: the first layer of the step plans, the step keeps the plan (``StepMetadata.plans``),
+its later layers find it there; ``RelayPlan.run`` then takes tensors only. A layout is the shapes, dtypes and devices
+of the query, prefix and suffix, the prefix strides (TMA), which extents and prefix groups the step has, the options'
+``key`` and the ``KernelConfig``: ``plan_relay`` validates it once, builds its launch layout, scratch shapes, grids
+and constexprs of each launch, TMA descriptor cache and compiled-kernel cache, and keeps them by ``plan_key`` for the
+next step of that layout (and for callers that hold no step: the free functions, the custom op).
 
 Tensors (``relay_hf.relay_attention``'s contract): ``query [B, H_q, L_q, D]``, ``prefix_* [1, H_kv, P, D]`` (shared:
 one copy for the batch, or the packed segments of ``PrefixGroups``), ``suffix_* [B, H_kv, L_s, D]`` (per row,
@@ -18,82 +19,95 @@ H_kv, N]``.
 
 from __future__ import annotations
 
+import copy
+
 import torch
 
-from .config import KernelConfig, resolve_config
+from .config import KernelConfig, active_config, resolve_config
 from .device import hopper, interpreting, num_sms
 from .direct import can_reuse
 from .groups import GroupTables, PrefixGroups
-from .jit import KIND_BOTH, KIND_PREFIX, KIND_SUFFIX, LOG2E
+from .jit import KIND_BOTH, KIND_PREFIX, KIND_SUFFIX
 from .launch import KernelLaunches
-from .layout import LaunchLayout, block_d, cdiv, group_shape, next_power_of_2, plan_layout
-from .reference import check_prefix_groups, check_relay_inputs, check_relay_options, check_relay_values, default_scale
+from .layout import LaunchLayout, block_d, cdiv, group_shape, launch_layout, next_power_of_2
+from .metadata import StepMetadata
+from .options import AttentionOptions
+from .reference import check_prefix_groups, check_relay_inputs, check_relay_values, default_scale
 from .tma import PrefixDescriptors
 
-MAX_PLANS = 512  # plans kept (a dynamic cache grows L_s by one a step: one plan per step, not per layer)
+MAX_PLANS = 512  # layouts kept (a dynamic cache grows L_s by one a step: one layout per step, not per layer)
 
 
-def plan_key(query, prefix_key, prefix_value, suffix_key, suffix_value, suffix_lengths, suffix_end,
-             config: KernelConfig, groups: tuple[int, int] | None, softcap: float | None, window: int | None,
-             sinks: torch.Tensor | None) -> tuple:
+def plan_key(step: StepMetadata, options: AttentionOptions, query, prefix_key, prefix_value, suffix_key, suffix_value,
+             config: KernelConfig) -> tuple:
     """Every fact a plan and the input checks depend on: shapes, dtypes and devices of all tensors, the prefix
-    strides (TMA), the options as far as the launch depends on them (``groups``: ``(levels, segments per level)``;
-    whether there is a softcap; the window; the sinks' dtype) and the config. The other tensors' strides are launch
+    strides (TMA), the step's layout as far as the launch depends on it (which extents it has, the groups'
+    ``(levels, segments per level)``), the options' ``key`` and the config. The other tensors' strides are launch
     arguments, not plan inputs."""
+    lengths, end, groups = step.suffix_lengths, step.suffix_end, step.groups
     return (query.shape, query.dtype, query.device, prefix_key.shape, prefix_key.dtype, prefix_key.device,
             prefix_key.stride(), prefix_value.shape, prefix_value.dtype, prefix_value.device, prefix_value.stride(),
             suffix_key.shape, suffix_key.dtype, suffix_key.device, suffix_value.shape, suffix_value.dtype,
             suffix_value.device,
-            None if suffix_lengths is None else (suffix_lengths.shape, suffix_lengths.dtype, suffix_lengths.device),
-            None if suffix_end is None else (suffix_end.shape, suffix_end.dtype, suffix_end.device),
-            groups, softcap is not None, window or 0, None if sinks is None else sinks.dtype, config)
+            None if lengths is None else (lengths.shape, lengths.dtype, lengths.device),
+            None if end is None else (end.shape, end.dtype, end.device),
+            None if groups is None else group_shape(groups), options.key, config)
 
 
-_PLANS: dict[tuple, RelayPlan] = {}
+# layouts planned so far, for the first layer of each step and for callers that hold no step (the free functions,
+# the custom op): planning a layout costs far more than finding it (docs/performance.md, host rows)
+_LAYOUTS: dict[tuple, RelayPlan] = {}
 
 
-def plan_relay(query: torch.Tensor, prefix_key: torch.Tensor, prefix_value: torch.Tensor, suffix_key: torch.Tensor,
-               suffix_value: torch.Tensor, *, suffix_lengths: torch.Tensor | None = None,
-               suffix_end: torch.Tensor | None = None, softcap: float | None = None, sinks: torch.Tensor | None = None,
-               window: int | None = None, prefix_groups: PrefixGroups | GroupTables | None = None,
+def plan_relay(step: StepMetadata, options: AttentionOptions, query: torch.Tensor, prefix_key: torch.Tensor,
+               prefix_value: torch.Tensor, suffix_key: torch.Tensor, suffix_value: torch.Tensor,
                config: KernelConfig | None = None) -> RelayPlan:
-    """The plan of calls laid out as these tensors and options (``relay_attention``'s arguments; ``config``: ``None``
-    for the active one): the kept one if a call of this layout was planned before (``plan_key``), else a new one,
-    kept. Raises ``ValueError`` naming what does not fit the Triton kernels' contract."""
+    """The plan of a call on ``step``'s layout with ``options`` and these tensors (``relay_attention``'s contract;
+    ``config``: ``None`` for the active one), its group tables bound to ``step.groups``. A layout planned before
+    (``plan_key``) is reused with this step's tables bound. Raises ``ValueError`` naming what does not fit the
+    Triton kernels' contract."""
     config = resolve_config(config)
-    check_relay_options(query, softcap, sinks, window)
-    if prefix_groups is None:
-        groups = None
-    else:
-        if not isinstance(prefix_groups, GroupTables):
-            check_prefix_groups(prefix_groups, query.shape[0], prefix_key.shape[2])  # anything else: refused by name
-        groups = group_shape(prefix_groups)
-    key = plan_key(query, prefix_key, prefix_value, suffix_key, suffix_value, suffix_lengths, suffix_end, config,
-                   groups, softcap, window, sinks)
-    plan = _PLANS.get(key)
+    options.check(query)
+    if step.groups is not None and not isinstance(step.groups, GroupTables):
+        check_prefix_groups(step.groups, query.shape[0], prefix_key.shape[2])  # anything else: refused by name
+    key = plan_key(step, options, query, prefix_key, prefix_value, suffix_key, suffix_value, config)
+    plan = _LAYOUTS.get(key)
     if plan is None:
-        plan = RelayPlan(key, query, prefix_key, prefix_value, suffix_key, suffix_value, suffix_lengths, suffix_end,
-                         config, groups, softcap is not None, window or 0, sinks is not None)
-        if len(_PLANS) >= MAX_PLANS:
-            _PLANS.pop(next(iter(_PLANS)))
-        _PLANS[key] = plan
+        plan = RelayPlan(key, step, options, query, prefix_key, prefix_value, suffix_key, suffix_value, config)
+        if len(_LAYOUTS) >= MAX_PLANS:
+            _LAYOUTS.pop(next(iter(_LAYOUTS)))
+        _LAYOUTS[key] = plan
+    return plan.bind(step.groups)
+
+
+def plan_for(step: StepMetadata, options: AttentionOptions, query: torch.Tensor, prefix_key: torch.Tensor,
+             prefix_value: torch.Tensor, suffix_key: torch.Tensor, suffix_value: torch.Tensor) -> RelayPlan:
+    """The plan of a call with these options and tensors on ``step``'s layout: the one an earlier layer of the step
+    made, when the tensors are laid out as its own (``RelayPlan.fits``), else ``plan_relay``'s, kept in
+    ``step.plans`` for the layers after."""
+    config = active_config()
+    plan = step.plans.get(options.key)
+    if plan is None or not plan.fits(step, config, query, prefix_key, prefix_value, suffix_key, suffix_value):
+        plan = plan_relay(step, options, query, prefix_key, prefix_value, suffix_key, suffix_value, config)
+        step.plans[options.key] = plan
     return plan
 
 
 def cached_plans() -> list[RelayPlan]:
-    """The plans ``plan_relay`` keeps now, oldest first."""
-    return list(_PLANS.values())
+    """The layouts ``plan_relay`` keeps now, oldest first."""
+    return list(_LAYOUTS.values())
 
 
 class RelayPlan:
-    """One layout's validated sizes, launch layout, scratch shapes, launches and descriptor cache (module docstring).
-    Built by ``plan_relay``; ``run`` computes one call. Attributes read by callers: ``layout`` (``LaunchLayout``),
-    ``config``, ``descriptors`` (``PrefixDescriptors``), ``key`` (its ``plan_key``)."""
+    """One layout's validated sizes, launch layout, scratch shapes, launches and descriptor cache (module docstring),
+    bound to one step's group tables. Built by ``plan_relay``; ``run`` computes one call from tensors only.
+    Attributes read by callers: ``layout`` (``LaunchLayout``), ``config``, ``descriptors`` (``PrefixDescriptors``),
+    ``key`` (its ``plan_key``)."""
 
-    def __init__(self, key: tuple, query, prefix_key, prefix_value, suffix_key, suffix_value, suffix_lengths,
-                 suffix_end, config: KernelConfig, groups: tuple[int, int] | None, softcap: bool, window: int,
-                 sink: bool):
-        check_relay_inputs(query, prefix_key, prefix_value, suffix_key, suffix_value, suffix_lengths, suffix_end)
+    def __init__(self, key: tuple, step: StepMetadata, options: AttentionOptions, query, prefix_key, prefix_value,
+                 suffix_key, suffix_value, config: KernelConfig):
+        lengths, end = step.suffix_lengths, step.suffix_end
+        check_relay_inputs(query, prefix_key, prefix_value, suffix_key, suffix_value, lengths, end)
         B, H_q, L_q, D = query.shape
         H_kv, L_s, P, D_v = suffix_key.shape[1], suffix_key.shape[2], prefix_key.shape[2], suffix_value.shape[-1]
         if query.dtype not in (torch.float16, torch.bfloat16, torch.float32):
@@ -105,18 +119,24 @@ class RelayPlan:
         G, N = H_q // H_kv, B * (H_q // H_kv) * L_q
         self.config, self.key = config, key
         self.dtype, self.device = query.dtype, query.device
+        self.scalars = options.kernel_scalars(default_scale(D))  # (scale_log2, cap, cap_scale)
+        # what ``fits`` compares: the tensors' layout as far as a later call of the same step may differ from it
+        self.shapes = _shapes(query, prefix_key, prefix_value, suffix_key, suffix_value)
+        self.extents = (lengths is not None, end is not None)
         # the result [B, H_q, L_q, D], laid out as the transpose of a contiguous [B, L_q, H_q, D] buffer (so the HF
         # seam's transpose(1, 2).contiguous() is free): allocated with these strides in one call
         self.result_shape = (B, H_q, L_q, D)
         self.out_strides = torch.empty((B, L_q, H_q, D), device="meta").transpose(1, 2).stride()
         self.empty = N * D == 0
         self.check_values = query.device.type == "cpu"  # value checks cost no sync only there (check_relay_values)
-        self.L_q, self.L_s, self.default_scale = L_q, L_s, default_scale(D)
+        self.L_q, self.L_s = L_q, L_s
+        self.groups = self.tables = None  # bound by ``bind``
         if self.empty:
             return
         device_index = query.device.index or 0
-        self.layout = layout = plan_layout(B, N, G, L_q, P, L_s, H_kv, D, config.num_sms or num_sms(device_index),
-                                           query.is_cuda and hopper(device_index), config, groups)
+        groups = None if step.groups is None else group_shape(step.groups)
+        self.layout = layout = launch_layout(B, N, G, L_q, P, L_s, H_kv, D, config.num_sms or num_sms(device_index),
+                                             query.is_cuda and hopper(device_index), config, groups)
         bd = block_d(D)
         half = config.partial_half and query.dtype in (torch.float16, torch.bfloat16)
         self.po_shape = (max(layout.slots, 1), H_kv, N, D)  # partial outputs [slots, H_kv, N, D]
@@ -124,39 +144,59 @@ class RelayPlan:
         self.plse_shape = (max(layout.slots, 1), H_kv, N)  # their natural-log fp32 LSEs [slots, H_kv, N]
         self.pk_st, self.pv_st = prefix_key.stride()[1:], prefix_value.stride()[1:]  # [H_kv, P, D]
         self.dims = (N, P, L_q, L_s, G, D)
-        self.prefix_plan = (layout.p_blocks, layout.p_splits, layout.p_per, layout.p_slots)
-        self.suffix_plan = (layout.s_blocks, layout.s_splits, layout.s_per)
+        self.prefix_work = (layout.p_blocks, layout.p_splits, layout.p_per, layout.p_slots)
+        self.suffix_work = (layout.s_blocks, layout.s_splits, layout.s_per)
         self.table_shape = (layout.prefix[0], G * L_q, layout.p_blocks)  # a grouped call's tables (PrefixGroups.tables)
         self.merge_sizes = (N, L_q, G, D, layout.slots)
         self.descriptors = PrefixDescriptors(prefix_key, prefix_value, layout.prefix[1], bd, config)
-        constexprs = dict(HAS_LENS=suffix_lengths is not None, HAS_END=suffix_end is not None, BLOCK_D=bd,
-                          IEEE=query.dtype == torch.float32, GROUPED=groups is not None, SOFTCAP=softcap,
-                          WINDOW=window, SINK=sink)
+        constexprs = dict(HAS_LENS=lengths is not None, HAS_END=end is not None, BLOCK_D=bd,
+                          IEEE=query.dtype == torch.float32, GROUPED=groups is not None, **options.constexprs())
         # the CPU interpreter's tl.dot cannot multiply bf16 (numpy has no bf16): upcast there, only there
         interpreted = interpreting()
         constexprs["DOT_F32"] = query.dtype == torch.bfloat16 and interpreted
         self.launches = KernelLaunches(_partials_launches(layout, H_kv, constexprs),
-                                       _merge_launch(layout, N, H_kv, bd, config, sink),
+                                       _merge_launch(layout, N, H_kv, bd, config, options.sinks is not None),
                                        config.reuse_compiled and can_reuse() and not interpreted)
 
+    def __deepcopy__(self, memo):  # a copied cache shares its plans: launches and compiled kernels are not copied
+        return self
+
+    def bind(self, groups: PrefixGroups | GroupTables | None) -> RelayPlan:
+        """This layout's plan reading ``groups``' device tables (built here, once: ``PrefixGroups.tables`` keeps
+        them, or hands the buffers a static cache pinned). The launches, descriptors and compiled kernels stay
+        shared with every plan of the layout."""
+        if groups is self.groups and (groups is None or self.tables is not None):
+            return self
+        bound = copy.copy(self)
+        bound.groups = groups
+        if groups is None or self.empty:
+            bound.tables = None
+        elif isinstance(groups, GroupTables):
+            bound.tables = (groups.items, groups.rows, groups.row_prefix)
+        else:
+            bound.tables = groups.tables(self.device, *self.table_shape)
+        return bound
+
+    def fits(self, step: StepMetadata, config: KernelConfig, query, prefix_key, prefix_value, suffix_key,
+             suffix_value) -> bool:
+        """Whether a call of ``step`` with these tensors may run this plan: a later layer of the step this plan was
+        made for, laid out alike (shapes, strides of the prefix, dtypes, devices), on the same groups and config. A
+        step's layers share their extents' dtypes and devices, so those are not compared again."""
+        return (config is self.config and step.groups is self.groups
+                and self.extents == (step.suffix_lengths is not None, step.suffix_end is not None)
+                and self.shapes == _shapes(query, prefix_key, prefix_value, suffix_key, suffix_value))
+
     def run(self, query: torch.Tensor, prefix_key: torch.Tensor, prefix_value: torch.Tensor,
-            suffix_key: torch.Tensor, suffix_value: torch.Tensor, *, scale: float | None = None,
-            suffix_lengths: torch.Tensor | None = None, suffix_end: torch.Tensor | None = None,
-            softcap: float | None = None, sinks: torch.Tensor | None = None,
-            prefix_groups: PrefixGroups | GroupTables | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+            suffix_key: torch.Tensor, suffix_value: torch.Tensor, suffix_lengths: torch.Tensor | None = None,
+            suffix_end: torch.Tensor | None = None, sinks: torch.Tensor | None = None,
+            out: torch.Tensor | None = None) -> torch.Tensor:
         """One call: ``[B, H_q, L_q, D]`` in the query's dtype (into ``out`` when given; by default the transpose of a
-        contiguous ``[B, L_q, H_q, D]`` buffer). The tensors and options must be laid out as the ones the plan was
-        made for (the same ``plan_key``); ``relay_attention_triton`` looks the plan up by it, a caller holding a step's
-        plan answers for it. ``scale``: the softmax scale (> 0), ``D ** -0.5`` when ``None``."""
+        contiguous ``[B, L_q, H_q, D]`` buffer). The tensors must be laid out as the ones the plan was made for (the
+        same ``plan_key``; the caller holding the plan answers for it): ``suffix_lengths`` / ``suffix_end`` the
+        step's extents (``StepMetadata``), ``sinks`` the options' sinks."""
         if self.check_values:
             check_relay_values(self.L_q, self.L_s, suffix_lengths, suffix_end)
-        if scale is None:
-            scale = self.default_scale
-        elif not scale > 0:  # the kernels fold the scale into exp2 after the row max, which needs scale > 0
-            raise ValueError(f"the Triton relay kernel needs scale > 0, got {scale}; use relay_attention_torch")
-        # with a softcap the scale goes inside the cap and the capped scores are natural-log logits
-        scale_log2, cap, cap_scale = ((LOG2E, float(softcap), scale / softcap) if softcap is not None
-                                      else (scale * LOG2E, 0.0, 0.0))
+        scale_log2, cap, cap_scale = self.scalars
         if out is None:
             out = torch.empty_strided(self.result_shape, self.out_strides, dtype=self.dtype, device=self.device)
         elif out.shape != self.result_shape or out.dtype != self.dtype or out.device != self.device:
@@ -171,17 +211,12 @@ class RelayPlan:
         q_st, sk_st, sv_st, o_st = query.stride(), suffix_key.stride(), suffix_value.stride(), out.stride()
         lens = plse if suffix_lengths is None else suffix_lengths  # placeholders, never read when absent
         end = plse if suffix_end is None else suffix_end
-        if prefix_groups is None:
-            items = rows = row_prefix = plse
-        elif isinstance(prefix_groups, GroupTables):
-            items, rows, row_prefix = prefix_groups.items, prefix_groups.rows, prefix_groups.row_prefix
-        else:
-            items, rows, row_prefix = prefix_groups.tables(self.device, *self.table_shape)
+        items, rows, row_prefix = (plse, plse, plse) if self.tables is None else self.tables
         sink = plse if sinks is None else sinks
         # _partials_kernel's runtime arguments, in jit.PARTIALS_PARAMS order
         args = (query, prefix_key, prefix_value, kd, vd, suffix_key, suffix_value, lens, end, po, plse, out, items,
                 rows, row_prefix, sink, q_st, self.pk_st, self.pv_st, sk_st, sv_st, o_st, self.dims, scale_log2, cap,
-                cap_scale, self.prefix_plan, self.suffix_plan)
+                cap_scale, self.prefix_work, self.suffix_work)
         # _merge_kernel's, in jit.MERGE_PARAMS order
         merge_args = None if self.launches.merge is None else (po, plse, out, sink, o_st, *self.merge_sizes)
         reuse_key = tma_key = None
@@ -191,26 +226,22 @@ class RelayPlan:
             # scratch (po, plse, and plse as every placeholder) comes from the caching allocator, always aligned
             ptrs = (query.data_ptr() | prefix_key.data_ptr() | prefix_value.data_ptr() | suffix_key.data_ptr()
                     | suffix_value.data_ptr() | out.data_ptr())
-            if suffix_lengths is not None:
-                ptrs |= suffix_lengths.data_ptr()
-            if suffix_end is not None:
-                ptrs |= suffix_end.data_ptr()
-            if prefix_groups is not None:
+            for t in (suffix_lengths, suffix_end, sinks):
+                if t is not None:
+                    ptrs |= t.data_ptr()
+            if self.tables is not None:
                 ptrs |= items.data_ptr() | rows.data_ptr() | row_prefix.data_ptr()
-            if sinks is not None:
-                ptrs |= sinks.data_ptr()
             if ptrs % 16 == 0:
                 reuse_key = (torch.cuda.current_device(), tma, q_st, sk_st, sv_st, o_st)
                 tma_key = (prefix_key.data_ptr(), prefix_value.data_ptr()) if tma else None
         self.launches.launch(args, merge_args, tma, reuse_key, tma_key)
         return out
 
-    def fits(self, query, prefix_key, prefix_value, suffix_key, suffix_value, *, suffix_lengths=None,
-             suffix_end=None, softcap=None, sinks=None, window=None, prefix_groups=None) -> bool:
-        """Whether a call with these arguments is laid out as this plan's (``run`` may compute it)."""
-        groups = None if prefix_groups is None else group_shape(prefix_groups)
-        return self.key == plan_key(query, prefix_key, prefix_value, suffix_key, suffix_value, suffix_lengths,
-                                    suffix_end, self.config, groups, softcap, window, sinks)
+
+def _shapes(query, prefix_key, prefix_value, suffix_key, suffix_value) -> tuple:
+    """The parts of a call's layout that may differ between layers of one step (``RelayPlan.fits``)."""
+    return (query.shape, query.dtype, query.device, prefix_key.shape, prefix_key.stride(), prefix_value.shape,
+            prefix_value.stride(), suffix_key.shape, suffix_key.dtype, suffix_value.shape)
 
 
 def _partials_launches(layout: LaunchLayout, H_kv: int, constexprs: dict) -> list[tuple[tuple[int, int, int], dict]]:
@@ -240,4 +271,4 @@ def _merge_launch(layout: LaunchLayout, N: int, H_kv: int, bd: int, config: Kern
                                            num_warps=merge_warps))
 
 
-__all__ = ["MAX_PLANS", "RelayPlan", "cached_plans", "plan_key", "plan_relay"]
+__all__ = ["MAX_PLANS", "RelayPlan", "cached_plans", "plan_for", "plan_key", "plan_relay"]

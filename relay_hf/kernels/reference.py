@@ -18,6 +18,7 @@ import dataclasses
 import torch
 
 from .groups import PrefixGroups
+from .options import check_relay_options
 
 # torch's fused flash-attention CPU kernel, which returns the natural-log LSE the merge needs (see ReferenceConfig)
 HAS_CPU_FLASH = hasattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu")
@@ -328,20 +329,6 @@ def check_prefix_groups(groups, B: int, P: int) -> None:
         raise ValueError(f"prefix_groups must be a relay_hf.kernels.PrefixGroups (GroupTables serve the Triton "
                          f"kernels on CUDA only), got {type(groups).__name__}")
     groups.check(B, P)
-
-
-def check_relay_options(query: torch.Tensor, softcap: float | None, sinks: torch.Tensor | None,
-                        window: int | None) -> None:
-    """Raise ``ValueError`` naming the option that does not fit: ``softcap > 0``, ``sinks [H_q]`` floating point on
-    the query's device, ``window >= 1``."""
-    if softcap is not None and not softcap > 0:
-        raise ValueError(f"softcap must be a positive float or None, got {softcap!r}")
-    if sinks is not None and (sinks.shape != (query.shape[1],) or not sinks.dtype.is_floating_point
-                              or sinks.device != query.device):
-        raise ValueError(f"sinks must be a floating-point [H_q={query.shape[1]}] tensor on {query.device}, got "
-                         f"{sinks.dtype} {tuple(sinks.shape)} on {sinks.device}")
-    if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
-        raise ValueError(f"window must be a positive int or None, got {window!r}")
 
 
 def _prefix_start(prefix_length, L_q: int, L_s: int, suffix_lengths: torch.Tensor | None,

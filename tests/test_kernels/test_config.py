@@ -12,10 +12,10 @@ import torch
 
 import relay_hf.kernels
 from relay_hf.kernels import triton_relay
-from relay_hf.kernels.plan import cached_plans, plan_relay
+from relay_hf.kernels.plan import cached_plans
 from relay_hf.kernels.tma import PrefixDescriptors
 from relay_hf.kernels.triton_relay import DEFAULT_CONFIG, KernelConfig, relay_attention_triton, use_config
-from tests.helpers import dense_reference, make_inputs, rel_err
+from tests.helpers import dense_reference, make_inputs, planned, rel_err
 
 # these drive the kernels with CPU tensors through Triton's interpreter; on a CUDA machine test_triton_relay's cases
 # run them on the device
@@ -67,11 +67,11 @@ def test_plan_is_built_once_per_key():
     q, pk, pv, sk, sv, lens = make_inputs(2, 2, 2, 1, 5, 20, 64, dtype=torch.float16, padded=True, seed=1)
     relay_attention_triton(q, pk, pv, sk, sv, suffix_lengths=lens)
     plans = cached_plans()
-    plan = plan_relay(q, pk, pv, sk, sv, suffix_lengths=lens)
+    plan = planned(q, pk, pv, sk, sv, lens)
     assert plan in plans and plan.config is DEFAULT_CONFIG
     out = relay_attention_triton(q.clone(), pk.clone(), pv.clone(), sk.clone(), sv.clone(), suffix_lengths=lens)
     assert cached_plans() == plans  # a hit: the same plan objects, none added
-    assert plan_relay(q.clone(), pk.clone(), pv.clone(), sk.clone(), sv.clone(), suffix_lengths=lens) is plan
+    assert planned(q.clone(), pk.clone(), pv.clone(), sk.clone(), sv.clone(), lens) is plan
     other = dataclasses.replace(DEFAULT_CONFIG, separate_rows=(0, -1))
     assert rel_err(relay_attention_triton(q, pk, pv, sk, sv, suffix_lengths=lens, config=other), out) < 1e-3
     added = [p for p in cached_plans() if p not in plans]
@@ -85,7 +85,7 @@ def test_use_config_scopes_calls_without_a_config():
     before = set(cached_plans())
     with use_config(one_launch):
         out = relay_attention_triton(q, pk, pv, sk, sv, suffix_lengths=lens)
-        assert plan_relay(q, pk, pv, sk, sv, suffix_lengths=lens).config is one_launch
+        assert planned(q, pk, pv, sk, sv, lens).config is one_launch
     relay_attention_triton(q, pk, pv, sk, sv, suffix_lengths=lens)
     configs = {p.config for p in set(cached_plans()) - before}
     assert one_launch in configs and configs <= {one_launch, DEFAULT_CONFIG}
@@ -102,7 +102,7 @@ def test_cached_tma_descriptors_keep_no_prefix_alive():
     tensor through its descriptor: there they are built per call; the CUDA path, by address, is driven directly.)"""
     q, pk, pv, sk, sv, lens = make_inputs(2, 2, 2, 1, 5, 128, 64, dtype=torch.bfloat16, seed=3)
     relay_attention_triton(q, pk, pv, sk, sv, suffix_lengths=lens)
-    plan = plan_relay(q, pk, pv, sk, sv, suffix_lengths=lens)
+    plan = planned(q, pk, pv, sk, sv, lens)
     assert plan.descriptors.enabled and not plan.descriptors.by_address  # the interpreter: built per call
     per_call = plan.descriptors.get(pk, pv)
     assert per_call[0] is not None and plan.descriptors.get(pk, pv) is not per_call and not plan.descriptors.cache

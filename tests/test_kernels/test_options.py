@@ -169,3 +169,48 @@ def test_the_custom_op_takes_the_options_and_groups_on_cuda():
         assert rel_err(compiled(q.detach(), pk, pv, sk, sv), ref) < 1e-4
         with pytest.raises(Exception, match="GroupTables"):  # a PrefixGroups cannot be read inside the graph
             torch.compile(lambda *t: relay_attention(*t, **kw), fullgraph=True)(q.detach(), pk, pv, sk, sv)
+
+
+# -- the options object (relay_hf/kernels/options.py) and the step metadata it is planned with ---------------------
+
+def test_options_travel_as_one_object_and_round_trip_through_the_custom_op():
+    from relay_hf.kernels.options import AttentionOptions, options_of
+
+    sinks = torch.zeros(4, dtype=torch.bfloat16)
+    options = options_of(dict(scale=0.25, softcap=30.0, window=16, sinks=sinks))
+    assert options.key == (0.25, 30.0, 16, torch.bfloat16)
+    assert AttentionOptions(0.25, 30.0, 16, sinks.float()).key != options.key  # the sinks' dtype is planned for
+    back = AttentionOptions.from_op(options.op_values(1.0), sinks)
+    assert back.key == options.key and back.sinks is sinks
+    assert AttentionOptions.from_op(AttentionOptions().op_values(0.5), None).key == (0.5, None, None, None)
+    assert options.without_window.window is None and options.without_window is options.without_window
+    assert options.constexprs() == dict(SOFTCAP=True, WINDOW=16, SINK=True)
+    assert not options.plain_softmax and AttentionOptions(0.1).plain_softmax
+    with pytest.raises(ValueError, match="scale > 0"):
+        AttentionOptions(scale=-1.0).kernel_scalars(1.0)
+    with pytest.raises(TypeError, match="alibi"):
+        options_of(dict(alibi=torch.zeros(4)))
+
+
+@pytest.mark.parametrize("bad,match", [(dict(softcap=0.0), "softcap"), (dict(window=0), "window"),
+                                       (dict(sinks=torch.zeros(3)), "sinks")])
+def test_options_that_do_not_fit_a_call_are_refused_by_name(bad, match):
+    from relay_hf.kernels.options import AttentionOptions
+
+    q = torch.zeros(2, 4, 1, 8)
+    with pytest.raises(ValueError, match=match):
+        AttentionOptions(**bad).check(q)
+    with pytest.raises(ValueError, match=match):
+        relay_attention(q, torch.zeros(1, 2, 3, 8), torch.zeros(1, 2, 3, 8), torch.zeros(2, 2, 2, 8),
+                        torch.zeros(2, 2, 2, 8), **bad)
+
+
+def test_step_metadata_with_lengths_keeps_the_shared_plans():
+    from relay_hf.kernels import StepMetadata
+
+    plans = {}
+    step = StepMetadata(None, None, None, plans)
+    lengths = torch.tensor([3, 1])
+    given = step.with_lengths(lengths)
+    assert given.suffix_lengths is lengths and given.plans is plans and step.suffix_lengths is None
+    assert StepMetadata().plans is not StepMetadata().plans  # a fresh holder per step unless one is handed over

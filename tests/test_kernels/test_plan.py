@@ -1,5 +1,5 @@
-"""``RelayPlan``: planned once per layout, run per layer; the kernels' argument order pinned against their
-signatures (the direct launcher passes arguments by position)."""
+"""``RelayPlan``: planned once per step (the step keeps it for its layers) and once per layout, run per layer; the
+kernels' argument order pinned against their signatures (the direct launcher passes arguments by position)."""
 
 import pytest
 import torch
@@ -7,8 +7,11 @@ import torch
 from relay_hf.kernels import jit
 from relay_hf.kernels.device import triton_available
 from relay_hf.kernels.direct import constexpr_tail, runtime_params
-from relay_hf.kernels.triton_relay import DEFAULT_CONFIG, cached_plans, plan_relay, relay_attention_triton
-from tests.helpers import dense_reference, make_inputs, rel_err
+from relay_hf.kernels.metadata import StepMetadata
+from relay_hf.kernels.options import AttentionOptions
+from relay_hf.kernels.plan import plan_for
+from relay_hf.kernels.triton_relay import DEFAULT_CONFIG, cached_plans, relay_attention_triton
+from tests.helpers import dense_reference, make_inputs, planned, rel_err
 
 # CPU tensors through Triton's interpreter; on a CUDA machine test_triton_relay's cases run the kernels on the device
 pytestmark = pytest.mark.skipif(not triton_available() or torch.cuda.is_available(),
@@ -32,35 +35,50 @@ def _layers(n, **kw):
 
 
 def test_one_plan_serves_every_layer_of_a_step():
-    """The plan built for the step's first layer is the one every later layer gets (no new plan), and running it
-    directly, with no lookup, gives each layer what ``relay_attention_triton`` gives."""
+    """The first layer of a step plans; every later layer (its own extents, the step's shared ``plans``) gets that
+    plan from the step, with no new plan and no lookup by layout, and running it gives each layer what
+    ``relay_attention_triton`` gives. The next step (one more suffix position) plans again."""
     layers = _layers(3, dtype=torch.bfloat16)
-    q, pk, pv, sk, sv, lens = layers[0]
-    plan = plan_relay(q, pk, pv, sk, sv, suffix_lengths=lens)
-    plans = cached_plans()
+    plans, options = {}, AttentionOptions()
+    plan = plan_for(StepMetadata(layers[0][5], None, None, plans), options, *layers[0][:5])
+    kept = cached_plans()
     for q, pk, pv, sk, sv, lens in layers:
-        assert plan_relay(q, pk, pv, sk, sv, suffix_lengths=lens) is plan
-        assert plan.fits(q, pk, pv, sk, sv, suffix_lengths=lens)
-        out = plan.run(q, pk, pv, sk, sv, suffix_lengths=lens)
+        step = StepMetadata(lens, None, None, plans)
+        assert plan_for(step, options, q, pk, pv, sk, sv) is plan
+        assert plan.fits(step, DEFAULT_CONFIG, q, pk, pv, sk, sv)
+        out = plan.run(q, pk, pv, sk, sv, lens)
         assert torch.equal(out, relay_attention_triton(q, pk, pv, sk, sv, suffix_lengths=lens))
         assert rel_err(out, dense_reference(q, pk, pv, sk, sv, suffix_lengths=lens)) < 1e-2
-    assert cached_plans() == plans
+    assert cached_plans() == kept and list(plans.values()) == [plan]
     grown = make_inputs(3, 2, 2, 1, 10, 40, 64, dtype=torch.bfloat16, padded=True, seed=0)  # the next step: L_s + 1
-    assert not plan.fits(*grown[:5], suffix_lengths=grown[5])
-    assert not plan.fits(*layers[0][:5], suffix_lengths=None)
-    assert plan_relay(*grown[:5], suffix_lengths=grown[5]) is not plan
+    step = StepMetadata(grown[5], None, None, plans)
+    assert not plan.fits(step, DEFAULT_CONFIG, *grown[:5])
+    assert not plan.fits(StepMetadata(None, None, None, plans), DEFAULT_CONFIG, *layers[0][:5])
+    assert plan_for(step, options, *grown[:5]) is not plan and plans[options.key] is not plan
+
+
+def test_modules_with_equal_options_share_the_step_plan():
+    """Two modules' options objects with equal values find one plan; other values (a cap, a window) plan apart."""
+    q, pk, pv, sk, sv, lens = _layers(1)[0]
+    plans = {}
+    step = StepMetadata(lens, None, None, plans)
+    first = plan_for(step, AttentionOptions(0.125, 2.0, 5), q, pk, pv, sk, sv)
+    assert plan_for(step, AttentionOptions(0.125, 2.0, 5), q, pk, pv, sk, sv) is first
+    assert plan_for(step, AttentionOptions(0.125, 3.0, 5), q, pk, pv, sk, sv) is not first
+    assert plan_for(step, AttentionOptions(0.125, 2.0, None), q, pk, pv, sk, sv) is not first
+    assert len(plans) == 3
 
 
 def test_a_plan_keeps_its_layout_and_config():
     q, pk, pv, sk, sv, lens = _layers(1)[0]
-    plan = plan_relay(q, pk, pv, sk, sv, suffix_lengths=lens, softcap=2.0, window=5)
+    plan = planned(q, pk, pv, sk, sv, lens, softcap=2.0, window=5)
     assert plan.config is DEFAULT_CONFIG and plan.layout.rows == 3
-    assert plan is not plan_relay(q, pk, pv, sk, sv, suffix_lengths=lens)  # the options are part of the layout
-    assert plan is plan_relay(q, pk, pv, sk, sv, suffix_lengths=lens, softcap=3.0, window=5)  # a softcap's value is not
+    assert plan is not planned(q, pk, pv, sk, sv, lens)  # the options are part of the layout
+    assert plan is planned(q, pk, pv, sk, sv, lens, softcap=2.0, window=5)
     with pytest.raises(ValueError, match="scale > 0"):
-        plan.run(q, pk, pv, sk, sv, suffix_lengths=lens, softcap=2.0, scale=0.0)
+        planned(q, pk, pv, sk, sv, lens, softcap=2.0, scale=0.0)
     with pytest.raises(ValueError, match="out must be"):
-        plan.run(q, pk, pv, sk, sv, suffix_lengths=lens, softcap=2.0, out=torch.empty(1))
+        plan.run(q, pk, pv, sk, sv, lens, out=torch.empty(1))
 
 
 @pytest.mark.parametrize("L_q", [1, 3])

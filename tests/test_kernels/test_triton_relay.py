@@ -10,9 +10,9 @@ import pytest
 import torch
 
 from relay_hf.kernels import triton_relay
-from relay_hf.kernels.layout import block_d, plan_layout
+from relay_hf.kernels.layout import block_d, launch_layout
 from relay_hf.kernels.tma import prefix_descriptors
-from relay_hf.kernels.triton_relay import DEFAULT_CONFIG, plan_splits, plan_suffix_splits, relay_attention_triton
+from relay_hf.kernels.triton_relay import DEFAULT_CONFIG, prefix_split_count, relay_attention_triton, suffix_split_count
 from tests.helpers import dense_reference, make_inputs, rel_err
 
 pytestmark = pytest.mark.skipif(not triton_relay.triton_available(), reason="triton cannot run here")
@@ -123,15 +123,15 @@ def test_empty_row_without_prefix_is_zero():
 
 
 def test_split_plan_fills_the_gpu_and_bounds_partials():
-    assert plan_splits(P=0, N=4, H_kv=8, block_m=16, block_n=64, num_sms=132)[0] == 0
-    splits, per = plan_splits(P=4096, N=4, H_kv=8, block_m=16, block_n=64, num_sms=132)
+    assert prefix_split_count(P=0, N=4, H_kv=8, block_m=16, block_n=64, num_sms=132)[0] == 0
+    splits, per = prefix_split_count(P=4096, N=4, H_kv=8, block_m=16, block_n=64, num_sms=132)
     assert splits * 8 >= 132 and splits * per * 64 >= 4096
-    splits, per = plan_splits(P=4096, N=128, H_kv=8, block_m=64, block_n=64, num_sms=132)
+    splits, per = prefix_split_count(P=4096, N=128, H_kv=8, block_m=64, block_n=64, num_sms=132)
     assert splits * 128 * DEFAULT_CONFIG.partial_budget <= 4096 and splits * per * 64 >= 4096
-    assert plan_splits(P=10, N=512, H_kv=8, block_m=64, block_n=64, num_sms=132) == (1, 1)
+    assert prefix_split_count(P=10, N=512, H_kv=8, block_m=64, block_n=64, num_sms=132) == (1, 1)
     # whole waves: 64 units a split, 2 programs per SM on 132 SMs -> 4 splits (256 programs), not 5 (320)
     kw = dict(P=16384, N=512, H_kv=8, block_m=64, block_n=64, num_sms=132, waves=2, budget=4)
-    assert plan_splits(**kw, whole_waves=True) == (4, 64) and plan_splits(**kw) == (5, 52)
+    assert prefix_split_count(**kw, whole_waves=True) == (4, 64) and prefix_split_count(**kw) == (5, 52)
 
 
 def test_fused_merge_only_for_small_merge_tiles():
@@ -139,18 +139,18 @@ def test_fused_merge_only_for_small_merge_tiles():
     (4 query rows per KV head, 16-row block) fuses 16 slots; a 64-row append block with as many slots does not. PDL
     only on a device that has it."""
     h200 = dict(num_sms=132, hopper=False)  # an H200's SM count
-    decode = plan_layout(B=32, N=128, G=4, L_q=1, P=16384, L_s=256, H_kv=8, D=128, **h200)
+    decode = launch_layout(B=32, N=128, G=4, L_q=1, P=16384, L_s=256, H_kv=8, D=128, **h200)
     assert decode.sep and decode.p_splits == 16 and decode.s_splits == 1 and decode.fuse and not decode.pdl
-    assert plan_layout(B=32, N=128, G=4, L_q=1, P=16384, L_s=256, H_kv=8, D=128, num_sms=132, hopper=True).pdl
-    append = plan_layout(B=2, N=128, G=4, L_q=16, P=16384, L_s=32, H_kv=8, D=128, **h200)
+    assert launch_layout(B=32, N=128, G=4, L_q=1, P=16384, L_s=256, H_kv=8, D=128, num_sms=132, hopper=True).pdl
+    append = launch_layout(B=2, N=128, G=4, L_q=16, P=16384, L_s=32, H_kv=8, D=128, **h200)
     assert append.sep and append.p_splits == 16 and append.s_splits == 1 and not append.fuse
 
 
 def test_suffix_splits_only_when_the_batch_leaves_sms_idle():
-    assert plan_suffix_splits(L_s=256, units=32, H_kv=8, block_n=64, num_sms=132) == (1, 4)
-    splits, per = plan_suffix_splits(L_s=256, units=1, H_kv=8, block_n=64, num_sms=132)
+    assert suffix_split_count(L_s=256, units=32, H_kv=8, block_n=64, num_sms=132) == (1, 4)
+    splits, per = suffix_split_count(L_s=256, units=1, H_kv=8, block_n=64, num_sms=132)
     assert splits == 4 and per == 1  # B = 1: one tile per program
-    splits, per = plan_suffix_splits(L_s=1, units=1, H_kv=8, block_n=64, num_sms=132)
+    splits, per = suffix_split_count(L_s=1, units=1, H_kv=8, block_n=64, num_sms=132)
     assert (splits, per) == (1, 1)
 
 
@@ -249,7 +249,7 @@ def test_paired_suffix_units_match_reference(B, dtype, G, L_q, P, end):
     """Each fused suffix program streams two batch rows (odd B: the last pair's second row is computed, not stored).
     The rule asks for at most one prefix program per SM, which the interpreter's 4 SMs rarely give: plan for more."""
     config = dataclasses.replace(DEFAULT_CONFIG, **LAYOUTS["paired_suffix"], num_sms=1 << 10)
-    assert plan_layout(B, B * G * L_q, G, L_q, P, 16, 2, 64, config.num_sms, False, config).pair
+    assert launch_layout(B, B * G * L_q, G, L_q, P, 16, 2, 64, config.num_sms, False, config).pair
     q, pk, pv, sk, sv, lens = [t.to(DEVICE) if t is not None else None
                                for t in make_inputs(B, 2, G, L_q, 16, P, 64, dtype=dtype, padded=True, seed=B + P)]
     end_t = None if end is None else torch.tensor([end], device=DEVICE)
@@ -264,9 +264,9 @@ def test_suffix_pairing_rule():
     """On a 132-SM GPU: B=64 decode rows beside a 4096-token prefix pair up (one prefix program per SM, 512 suffix
     programs); not where two prefix programs fill each SM (8192 tokens), where the suffix fits beside the prefix
     (B=32), or where the prefix is short (1024 tokens)."""
-    assert plan_layout(64, 256, 4, 1, 4096, 88, 8, 128, 132, True).pair
-    assert not plan_layout(64, 256, 4, 1, 8192, 88, 8, 128, 132, True).pair
-    assert not plan_layout(32, 128, 4, 1, 4096, 256, 8, 128, 132, True).pair
-    assert not plan_layout(64, 256, 4, 1, 1024, 88, 8, 128, 132, True).pair
+    assert launch_layout(64, 256, 4, 1, 4096, 88, 8, 128, 132, True).pair
+    assert not launch_layout(64, 256, 4, 1, 8192, 88, 8, 128, 132, True).pair
+    assert not launch_layout(32, 128, 4, 1, 4096, 256, 8, 128, 132, True).pair
+    assert not launch_layout(64, 256, 4, 1, 1024, 88, 8, 128, 132, True).pair
     never = dataclasses.replace(DEFAULT_CONFIG, suffix_pair_above=None)
-    assert not plan_layout(64, 256, 4, 1, 4096, 88, 8, 128, 132, True, never).pair
+    assert not launch_layout(64, 256, 4, 1, 4096, 88, 8, 128, 132, True, never).pair

@@ -1,0 +1,77 @@
+"""Work captured as a CUDA graph: the states it lives through, and the capture itself (``capture_graph``), shared by
+the decode step (``step.py``) and the kept-prefix check (``freshness.py``).
+
+Why one helper: both record work that a host-bound eager run would slow down, on the model's device whichever device
+is current, while other threads may run eager work on the model (a concurrent stock call, a prefill, a decode step);
+both warm up the same way torch's capture recipe does, on a side stream (``on_side_stream``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TypeVar
+
+import torch
+
+T = TypeVar("T")
+
+
+@dataclass(frozen=True, slots=True)
+class Warming:
+    """Before its capture (CUDA only): ``left`` more eager runs, each on a side stream as torch's capture recipe warms
+    up; at ``left == 0`` the next run captures it (``Captured``, or ``Eager`` when that fails)."""
+
+    left: int
+
+
+@dataclass(frozen=True, slots=True)
+class Pending:
+    """Captured once what it reads stays put: the decode step's choice reads the logits buffer of a captured forward,
+    so the first step whose forward replays captures it (``Captured``, or ``Eager`` when that fails); until then it
+    runs as eager ops."""
+
+
+@dataclass(frozen=True, slots=True)
+class Captured:
+    """Replayed as ``graph`` every run, on the buffers it was recorded with."""
+
+    graph: torch.cuda.CUDAGraph
+
+
+@dataclass(frozen=True, slots=True)
+class Eager:
+    """Run as eager ops every time, for good; ``reason`` says why (off CUDA, or its capture failed: warned once and
+    never retried, so a failing capture costs one attempt, not one a run)."""
+
+    reason: str
+
+
+def on_side_stream(fn: Callable[[], T], device: torch.device) -> T:
+    """``fn()`` on a new stream of ``device`` that first waits for the current one, which waits for it after (also
+    when ``fn`` raises): the warm-up of torch's capture recipe, so the allocator's blocks and the libraries' workspaces
+    a capture needs exist before it, away from the stream the capture will use."""
+    with torch.cuda.device(device):
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        try:
+            with torch.cuda.stream(side):
+                return fn()
+        finally:
+            torch.cuda.current_stream().wait_stream(side)
+
+
+def capture_graph(fn: Callable[[], T], device: torch.device, warm_up: bool = False) -> tuple[torch.cuda.CUDAGraph, T]:
+    """``fn`` recorded as a CUDA graph on ``device`` (whichever device is current), after one eager run on a side
+    stream when ``warm_up``. Returns the graph, not yet replayed, and what ``fn`` returned while recording (tensors the
+    graph's replays write). Raises what the warm-up or the capture raised: nothing runs while recording, so what
+    ``fn`` would change is intact then, and the caller decides what a failure means."""
+    with torch.cuda.device(device):
+        if warm_up:
+            on_side_stream(fn, device)
+        graph = torch.cuda.CUDAGraph()
+        # thread_local: another thread's eager work on the model (a concurrent stock call, a prefill, a decode step)
+        # neither breaks this capture nor is refused while it runs
+        with torch.cuda.graph(graph, capture_error_mode="thread_local"):
+            out = fn()
+    return graph, out

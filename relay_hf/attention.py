@@ -155,7 +155,7 @@ def _step_options(options: AttentionOptions, key: RelayKV) -> AttentionOptions:
     if window is None or step.suffix_end is not None:
         return options
     prefix = key.prefix.shape[-2] if step.groups is None else step.groups.max_prefix_length
-    return options if prefix + key.suffix.shape[-2] > window else options.without_window
+    return options if prefix + key.suffix.shape[-2] > window else options.without_window()
 
 
 def _check_relay_call(module, key: RelayKV, dropout: float, sliding_window, kwargs) -> None:

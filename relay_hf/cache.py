@@ -126,6 +126,9 @@ class RelayCache(_Constructors, Cache):
             return None
         return self.tree.ids[0].to(self.prefix_device) if self.prefix_device is not None else self.tree.ids[0]
 
+    def __getstate__(self):  # pickled without its kernel plans (compiled launches): a copy plans again
+        return dict(self.__dict__, _plans={})
+
     def reserve(self, tokens: int) -> None:
         """Size every layer's suffix buffers for ``tokens`` positions when they are first allocated."""
         for layer in self.layers:

@@ -314,6 +314,9 @@ class StaticRelayLayer(RelayLayer):
             for t in (self.prefix_keys, self.prefix_values, self._kbuf, self._vbuf, self._end, self._lengths):
                 torch._dynamo.mark_static_address(t)
 
+    def __getstate__(self):  # pickled without its step (the plans it shares hold compiled launches)
+        return dict(self.__dict__, _step=None)
+
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         raise ValueError("a static RelayCache needs a prefix and a model patched by relay_hf (relay attention)")
 

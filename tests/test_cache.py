@@ -233,3 +233,30 @@ def test_a_static_cache_of_several_prefixes_holds_room_and_is_refilled_for_what_
 def test_an_empty_prefix_is_refused_as_empty(ids):
     with pytest.raises(ValueError, match="prefix_ids is empty"):
         RelayCache.from_prefix(tiny_model("llama"), ids)
+
+
+def test_a_used_cache_pickles_and_copies_without_its_kernel_plans():
+    """A cache that ran keeps the kernel plans its layers share (compiled launches): pickling and deep copies leave
+    them behind, and the copy computes what the original does."""
+    import copy
+    import pickle
+
+    from relay_hf.attention import relay_attention_forward
+
+    model = tiny_model("llama")
+    relay_hf.patch(model)
+    base = RelayCache.from_prefix(model, torch.arange(10, 30))
+    for fork in (base.fork(suffix_padding=torch.zeros(2, dtype=torch.int32)),
+                 base.fork(suffix_padding=torch.zeros(2, dtype=torch.int32), max_suffix_length=16)):
+        H, D = model.config.num_key_value_heads, model.config.head_dim
+        k, v = fork.update(torch.randn(2, H, 3, D), torch.randn(2, H, 3, D), 0)
+        fork._plans.setdefault(None, {})["marker"] = object()  # what a CUDA step would keep there
+        attn = model.model.layers[0].self_attn
+        q = torch.randn(2, model.config.num_attention_heads, 1, D)
+        want, _ = relay_attention_forward(attn, q, k, v, None, scaling=attn.scaling)
+        for other in (pickle.loads(pickle.dumps(fork)), copy.deepcopy(fork)):
+            assert other._plans == {} and all(getattr(lay, "_step", None) is None for lay in other.layers)
+            k2, v2 = other.update(torch.zeros(2, H, 0, D), torch.zeros(2, H, 0, D), 0)
+            got, _ = relay_attention_forward(attn, q, k2, v2, None, scaling=attn.scaling)
+            assert torch.equal(got, want)
+    relay_hf.unpatch(model)

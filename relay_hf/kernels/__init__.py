@@ -138,6 +138,7 @@ def attend(step: StepMetadata, options: AttentionOptions, query: torch.Tensor, p
             if _triton_ok():
                 from .op import relay_attention_op
 
+                options.check(query)  # the op's encoding reads a cap or window of 0 as none: refuse them first
                 tables = _tables_for_op(query, suffix_key.shape[1], prefix_key.shape[2], step.groups)
                 return relay_attention_op(query, prefix_key, prefix_value, suffix_key, suffix_value,
                                           options.op_values(default_scale(query.shape[-1])), lengths, end,

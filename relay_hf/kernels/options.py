@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from functools import cached_property
 
 import torch
 
@@ -52,13 +51,13 @@ class AttentionOptions:
     window: int | None = None
     sinks: torch.Tensor | None = None
 
-    @cached_property
+    @property
     def key(self) -> tuple:
         """What a kernel plan depends on: the scale, the cap, the window and the sinks' dtype (Triton specialises a
-        kernel on its pointers' dtypes, so a plan's compiled launches are per sinks dtype)."""
+        kernel on its pointers' dtypes, so a plan's compiled launches are per sinks dtype; read live: ``model.to``
+        changes a parameter's dtype in place)."""
         return self.scale, self.softcap, self.window, None if self.sinks is None else self.sinks.dtype
 
-    @cached_property
     def without_window(self) -> AttentionOptions:
         """These options with no window (a window that holds every key changes nothing, and costs the kernels its
         bookkeeping)."""
@@ -82,7 +81,7 @@ class AttentionOptions:
         """``(scale_log2, cap, cap_scale)`` as the Triton kernels take them: without a cap the scale folded into
         ``exp2``'s base-2 logits; with one, the scale goes inside the cap and the capped scores are natural-log
         logits. Raises ``ValueError`` for a scale the kernels cannot fold (they need ``scale > 0``)."""
-        scale = default_scale if self.scale is None else self.scale
+        scale = default_scale if self.scale is None else float(self.scale)
         if not scale > 0:  # the kernels fold the scale into exp2 after the row max, which needs scale > 0
             raise ValueError(f"the Triton relay kernel needs scale > 0, got {scale}; use relay_attention_torch")
         if self.softcap is not None:
@@ -95,7 +94,8 @@ class AttentionOptions:
 
     def op_values(self, default_scale: float) -> list[float]:
         """The options as the custom op's ``list[float]`` (``torch.library`` takes no Python objects): ``[scale,
-        cap or 0, window or 0]``; ``from_op`` reads them back."""
+        cap or 0, window or 0]``; ``from_op`` reads them back. Checked options only (``check``: a cap or a window of 0
+        would read back as none)."""
         scale = default_scale if self.scale is None else float(self.scale)
         return [scale, float(self.softcap or 0.0), float(self.window or 0)]
 

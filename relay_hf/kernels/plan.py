@@ -90,6 +90,10 @@ def plan_for(step: StepMetadata, options: AttentionOptions, query: torch.Tensor,
     if plan is None or not plan.fits(step, config, query, prefix_key, prefix_value, suffix_key, suffix_value):
         plan = plan_relay(step, options, query, prefix_key, prefix_value, suffix_key, suffix_value, config)
         step.plans[options.key] = plan
+    elif plan.tables is not None and query.is_cuda and torch.cuda.is_current_stream_capturing():
+        # a graph replays the group tables it records: only pinned ones will do (PrefixGroups.tables refuses others
+        # while capturing), and tables pinned after this plan was bound replace the ones it holds
+        plan = step.plans[options.key] = plan.bind(step.groups, again=True)
     return plan
 
 
@@ -122,7 +126,7 @@ class RelayPlan:
         self.scalars = options.kernel_scalars(default_scale(D))  # (scale_log2, cap, cap_scale)
         # what ``fits`` compares: the tensors' layout as far as a later call of the same step may differ from it
         self.shapes = _shapes(query, prefix_key, prefix_value, suffix_key, suffix_value)
-        self.extents = (lengths is not None, end is not None)
+        self.extents = _extents(step)
         # the result [B, H_q, L_q, D], laid out as the transpose of a contiguous [B, L_q, H_q, D] buffer (so the HF
         # seam's transpose(1, 2).contiguous() is free): allocated with these strides in one call
         self.result_shape = (B, H_q, L_q, D)
@@ -161,11 +165,11 @@ class RelayPlan:
     def __deepcopy__(self, memo):  # a copied cache shares its plans: launches and compiled kernels are not copied
         return self
 
-    def bind(self, groups: PrefixGroups | GroupTables | None) -> RelayPlan:
-        """This layout's plan reading ``groups``' device tables (built here, once: ``PrefixGroups.tables`` keeps
-        them, or hands the buffers a static cache pinned). The launches, descriptors and compiled kernels stay
-        shared with every plan of the layout."""
-        if groups is self.groups and (groups is None or self.tables is not None):
+    def bind(self, groups: PrefixGroups | GroupTables | None, again: bool = False) -> RelayPlan:
+        """This layout's plan reading ``groups``' device tables (found here, once: ``PrefixGroups.tables`` keeps
+        them, or hands the buffers a static cache pinned; ``again``: found anew even for the groups bound now). The
+        launches, descriptors and compiled kernels stay shared with every plan of the layout."""
+        if groups is self.groups and (groups is None or self.tables is not None) and not again:
             return self
         bound = copy.copy(self)
         bound.groups = groups
@@ -182,8 +186,8 @@ class RelayPlan:
         """Whether a call of ``step`` with these tensors may run this plan: a later layer of the step this plan was
         made for, laid out alike (shapes, strides of the prefix, dtypes, devices), on the same groups and config. A
         step's layers share their extents' dtypes and devices, so those are not compared again."""
-        return (config is self.config and step.groups is self.groups
-                and self.extents == (step.suffix_lengths is not None, step.suffix_end is not None)
+        return ((config is self.config or config == self.config) and step.groups is self.groups
+                and self.extents == _extents(step)
                 and self.shapes == _shapes(query, prefix_key, prefix_value, suffix_key, suffix_value))
 
     def run(self, query: torch.Tensor, prefix_key: torch.Tensor, prefix_value: torch.Tensor,
@@ -239,9 +243,19 @@ class RelayPlan:
 
 
 def _shapes(query, prefix_key, prefix_value, suffix_key, suffix_value) -> tuple:
-    """The parts of a call's layout that may differ between layers of one step (``RelayPlan.fits``)."""
-    return (query.shape, query.dtype, query.device, prefix_key.shape, prefix_key.stride(), prefix_value.shape,
-            prefix_value.stride(), suffix_key.shape, suffix_key.dtype, suffix_value.shape)
+    """Every fact of a call's tensors that ``plan_key`` holds (``RelayPlan.fits``: a later layer of the step differs
+    in none of them, or plans anew, its inputs checked again): shapes, dtypes, devices, the prefix strides."""
+    return (query.shape, query.dtype, query.device, prefix_key.shape, prefix_key.dtype, prefix_key.device,
+            prefix_key.stride(), prefix_value.shape, prefix_value.dtype, prefix_value.device, prefix_value.stride(),
+            suffix_key.shape, suffix_key.dtype, suffix_key.device, suffix_value.shape, suffix_value.dtype,
+            suffix_value.device)
+
+
+def _extents(step: StepMetadata) -> tuple:
+    """The step's extents as ``plan_key`` holds them: shape, dtype and device of each, or ``None``."""
+    lengths, end = step.suffix_lengths, step.suffix_end
+    return (None if lengths is None else (lengths.shape, lengths.dtype, lengths.device),
+            None if end is None else (end.shape, end.dtype, end.device))
 
 
 def _partials_launches(layout: LaunchLayout, H_kv: int, constexprs: dict) -> list[tuple[tuple[int, int, int], dict]]:

@@ -183,13 +183,16 @@ def test_options_travel_as_one_object_and_round_trip_through_the_custom_op():
     back = AttentionOptions.from_op(options.op_values(1.0), sinks)
     assert back.key == options.key and back.sinks is sinks
     assert AttentionOptions.from_op(AttentionOptions().op_values(0.5), None).key == (0.5, None, None, None)
-    assert options.without_window.window is None and options.without_window is options.without_window
+    assert options.without_window().key == (0.25, 30.0, None, torch.bfloat16)
+    assert AttentionOptions(0.5).without_window().window is None
     assert options.constexprs() == dict(SOFTCAP=True, WINDOW=16, SINK=True)
     assert not options.plain_softmax and AttentionOptions(0.1).plain_softmax
     with pytest.raises(ValueError, match="scale > 0"):
         AttentionOptions(scale=-1.0).kernel_scalars(1.0)
     with pytest.raises(TypeError, match="alibi"):
         options_of(dict(alibi=torch.zeros(4)))
+    sinks.data = sinks.data.float()  # model.to(dtype) changes a parameter's dtype in place: the key follows
+    assert options.key == (0.25, 30.0, 16, torch.float32)
 
 
 @pytest.mark.parametrize("bad,match", [(dict(softcap=0.0), "softcap"), (dict(window=0), "window"),

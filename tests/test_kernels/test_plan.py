@@ -57,6 +57,21 @@ def test_one_plan_serves_every_layer_of_a_step():
     assert plan_for(step, options, *grown[:5]) is not plan and plans[options.key] is not plan
 
 
+@pytest.mark.parametrize("name", ["prefix_key", "prefix_value", "suffix_value"])
+def test_a_later_layer_laid_out_otherwise_is_checked_again(name):
+    """A layer of the step whose tensors differ from the planned one in anything the plan key holds (here a dtype)
+    does not run the step's plan: it plans anew, its inputs checked, and is refused by name."""
+    q, pk, pv, sk, sv, lens = _layers(1)[0]
+    step, options = StepMetadata(lens, None, None, {}), AttentionOptions()
+    plan_for(step, options, q, pk, pv, sk, sv)
+    tensors = dict(prefix_key=pk, prefix_value=pv, suffix_value=sv)
+    tensors[name] = tensors[name].double()
+    with pytest.raises(ValueError, match=name):
+        plan_for(step, options, q, tensors["prefix_key"], tensors["prefix_value"], sk, tensors["suffix_value"])
+    with pytest.raises(ValueError, match="suffix_lengths"):  # the extents' dtype too
+        plan_for(StepMetadata(lens.float(), None, None, step.plans), options, q, pk, pv, sk, sv)
+
+
 def test_modules_with_equal_options_share_the_step_plan():
     """Two modules' options objects with equal values find one plan; other values (a cap, a window) plan apart."""
     q, pk, pv, sk, sv, lens = _layers(1)[0]

@@ -83,16 +83,15 @@ def pin(model, prompt, tokenizer=None) -> int:
     ...), the prompt is empty or longer than the model's positions, or the pinned prompts would not fit
     ``prefix_cache_bytes``.
     """
-    store = _store_of(model, "pin")
+    _store_of(model, "pin")
     ids = prompt_ids(prompt, tokenizer)
     limit = getattr(model.config.get_text_config(decoder=True), "max_position_embeddings", None)
     if limit is not None and ids.numel() >= limit:
         raise ValueError(f"the prompt to pin has {ids.numel()} tokens; the model has {limit} positions")
-    why = keep_reason(model)
-    if store.budget_bytes == 0 or why is not None:
+    store, depends = prefix_store(model)  # (None, None) when nothing may be kept now
+    if store is None:
         raise ValueError(f"relay_hf.pin keeps KV in the model's prefix store, which keeps nothing now: "
-                         f"{why or 'relay_hf.patch(model, prefix_cache_bytes=0)'}")
-    store, depends = prefix_store(model)
+                         f"{keep_reason(model) or 'relay_hf.patch(model, prefix_cache_bytes=0)'}")
     tree = PrefixTree((ids,), (-1,))
     key = segment_key(tree, 0)
     with torch.no_grad(), store.holding([key]):

@@ -44,14 +44,9 @@ def plan_key(step: StepMetadata, options: AttentionOptions, query, prefix_key, p
     strides (TMA), the step's layout as far as the launch depends on it (which extents it has, the groups'
     ``(levels, segments per level)``), the options' ``key`` and the config. The other tensors' strides are launch
     arguments, not plan inputs."""
-    lengths, end, groups = step.suffix_lengths, step.suffix_end, step.groups
-    return (query.shape, query.dtype, query.device, prefix_key.shape, prefix_key.dtype, prefix_key.device,
-            prefix_key.stride(), prefix_value.shape, prefix_value.dtype, prefix_value.device, prefix_value.stride(),
-            suffix_key.shape, suffix_key.dtype, suffix_key.device, suffix_value.shape, suffix_value.dtype,
-            suffix_value.device,
-            None if lengths is None else (lengths.shape, lengths.dtype, lengths.device),
-            None if end is None else (end.shape, end.dtype, end.device),
-            None if groups is None else group_shape(groups), options.key, config)
+    groups = None if step.groups is None else group_shape(step.groups)
+    return (*_shapes(query, prefix_key, prefix_value, suffix_key, suffix_value), *_extents(step), groups, options.key,
+            config)
 
 
 # layouts planned so far, for the first layer of each step and for callers that hold no step (the free functions,
@@ -243,8 +238,8 @@ class RelayPlan:
 
 
 def _shapes(query, prefix_key, prefix_value, suffix_key, suffix_value) -> tuple:
-    """Every fact of a call's tensors that ``plan_key`` holds (``RelayPlan.fits``: a later layer of the step differs
-    in none of them, or plans anew, its inputs checked again): shapes, dtypes, devices, the prefix strides."""
+    """The facts of a call's tensors in ``plan_key`` (and what ``RelayPlan.fits`` compares: a later layer of the step
+    differs in none of them, or plans anew, its inputs checked again): shapes, dtypes, devices, the prefix strides."""
     return (query.shape, query.dtype, query.device, prefix_key.shape, prefix_key.dtype, prefix_key.device,
             prefix_key.stride(), prefix_value.shape, prefix_value.dtype, prefix_value.device, prefix_value.stride(),
             suffix_key.shape, suffix_key.dtype, suffix_key.device, suffix_value.shape, suffix_value.dtype,

@@ -13,12 +13,20 @@ tokens each (no EOS). Modes:
 
 * ``stock_cb``: ``model.generate_batch(inputs, ...)`` on the unpatched model (sdpa, block sharing on, transformers'
   defaults but the sizes below).
-* ``relay_cb``: the same call after ``relay_hf.patch(model)``.
+* ``stock_cb_graphs``: the same with ``use_cuda_graph=True`` (CUDA).
+* ``relay_cb``: the same call as ``stock_cb`` after ``relay_hf.patch(model)`` (on CUDA relay's flash kernel on
+  transformers' decode fast path, CUDA graphs as transformers defaults them for flash kernels; elsewhere the host
+  road: ``model.relay_continuous_road``).
+* ``flash_cb``: no patch; the model switched to relay's flash kernel by its id (``relay-hf/relay-flash3``), as a
+  stock transformers user (or ``transformers serve --attn-implementation``) would run it.
 * ``relay_generate``: ``relay_hf.patch(model)``, then plain ``generate(**inputs, max_new_tokens=N)`` over the requests
   in fixed batches of ``--fixed-batch`` rows (left-padded), one batch after the other.
 
-Both continuous-batching modes get one ``ContinuousBatchingConfig``: ``--max-batch-tokens``, ``--num-blocks`` and
+The continuous-batching modes get one ``ContinuousBatchingConfig``: ``--max-batch-tokens``, ``--num-blocks`` and
 ``--page-size`` when given (on a CPU they must be: transformers otherwise sizes the cache from the machine's RAM).
+``--persistent``: every ``generate_batch`` call keeps its manager (``persistent_manager=True``: its CUDA graphs and
+warm-up are kept for the next call); the rows' ``arrival`` says ``offline persistent``. ``first_call``: the warm-up
+call's wall seconds (with ``--full-warm-up``, the whole workload in a fresh manager).
 
 Offline (all requests at once): ``throughput`` (new tokens / wall s of the whole call, after one warm-up call of
 the same mode on 2 requests, or on the whole workload with ``--full-warm-up``: Triton compiles a kernel variant the
@@ -38,11 +46,13 @@ import time
 import torch
 
 import relay_hf
+from relay_hf.flash import KERNEL_ID, offer_kernel
 
 from .common import DATA, SERVE_FIELDS, append_rows, environment, print_table, progress, say, sync
 from .generate import SHAPES, build_model
 
-MODES = ("stock_cb", "relay_cb", "relay_generate")
+MODES = ("stock_cb", "stock_cb_graphs", "relay_cb", "flash_cb", "relay_generate")
+DEFAULT_MODES = ("stock_cb", "relay_cb", "relay_generate")
 
 
 def requests(vocab: int, R: int, S: int, groups: int, user_len: tuple[int, int], seed: int) -> list[list[int]]:
@@ -53,11 +63,11 @@ def requests(vocab: int, R: int, S: int, groups: int, user_len: tuple[int, int],
             for i in range(R)]
 
 
-def cb_config(args):
+def cb_config(args, mode: str = "stock_cb"):
     from transformers import ContinuousBatchingConfig
 
     fields = ContinuousBatchingConfig.__dataclass_fields__
-    kw = {}
+    kw = {"use_cuda_graph": True} if mode == "stock_cb_graphs" else {}
     if args.page_size:  # transformers 5.17 calls the page a block
         kw["page_size" if fields.get("page_size") and fields["page_size"].default is not None else "block_size"] = \
             args.page_size
@@ -108,8 +118,8 @@ def offline(model, mode: str, inputs: list[list[int]], N: int, args) -> tuple[fl
             return []
     else:
         def run():
-            out = model.generate_batch(inputs, generation_config=gen, continuous_batching_config=cb_config(args),
-                                       record_timestamps=True)
+            out = model.generate_batch(inputs, generation_config=gen, continuous_batching_config=cb_config(args, mode),
+                                       record_timestamps=True, persistent_manager=args.persistent)
             return list(out.values())
 
     sync(device)
@@ -119,12 +129,12 @@ def offline(model, mode: str, inputs: list[list[int]], N: int, args) -> tuple[fl
     return time.perf_counter() - start, _latencies(outputs)
 
 
-def online(model, inputs: list[list[int]], N: int, rate: float, args, seed: int) -> tuple[float, dict]:
+def online(model, mode: str, inputs: list[list[int]], N: int, rate: float, args, seed: int) -> tuple[float, dict]:
     """Requests added at Poisson arrival times (``rate`` per second): seconds from the first arrival to the last
     result, and the latencies."""
     rng = random.Random(seed)
     manager = model.init_continuous_batching(generation_config=generation_config(model, N),
-                                             continuous_batching_config=cb_config(args))
+                                             continuous_batching_config=cb_config(args, mode))
     manager.start()
     results = []
     try:
@@ -165,7 +175,8 @@ def main(argv=None) -> None:
     p.add_argument("--groups", type=int, default=1)
     p.add_argument("--user-len", type=int, nargs=2, default=(32, 128))
     p.add_argument("--new-tokens", type=int, default=64)
-    p.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES)
+    p.add_argument("--modes", nargs="+", default=list(DEFAULT_MODES), choices=MODES)
+    p.add_argument("--persistent", action="store_true", help="keep each generate_batch call's manager for the next")
     p.add_argument("--fixed-batch", type=int, default=64)
     p.add_argument("--rates", type=float, nargs="*", default=[], help="online arrival rates (requests / s)")
     p.add_argument("--online-requests", type=int, default=None, help="online: the first this many requests")
@@ -187,16 +198,16 @@ def main(argv=None) -> None:
             "U": f"{args.user_len[0]}-{args.user_len[1]}", "R": R, "groups": args.groups, "new_tokens": N,
             "note": args.note}
     rows = []
+    stock_attn = model.config._attn_implementation
     for mode in progress(args.modes, "modes"):
-        relay_hf.unpatch(model)
-        if mode != "stock_cb":
-            relay_hf.patch(model)
+        _set_up(model, mode, stock_attn)
         # warm-up: kernels, allocator; --full-warm-up: the whole workload once (every kernel variant it needs compiled)
-        offline(model, mode, inputs if args.full_warm_up else inputs[:2], N if args.full_warm_up else 2, args)
+        first, _ = offline(model, mode, inputs if args.full_warm_up else inputs[:2], N if args.full_warm_up else 2,
+                           args)
         wall, lat = offline(model, mode, inputs, N, args)
-        used = relay_hf.stats(model).relay_steps > 0 if relay_hf.is_patched(model) else False
-        extra = {"arrival": "offline", "relay_used": used}
-        rows += _rows(mode, {"throughput": ("tok/s", R * N / wall), "wall": ("s", wall),
+        used = _relay_used(model, mode)
+        extra = {"arrival": "offline persistent" if args.persistent else "offline", "relay_used": used}
+        rows += _rows(mode, {"throughput": ("tok/s", R * N / wall), "wall": ("s", wall), "first_call": ("s", first),
                              "ttft_p50": ("s", _percentile(lat["ttft"], 50)),
                              "ttft_p99": ("s", _percentile(lat["ttft"], 99)),
                              "tpot_p50": ("ms", _scaled(_percentile(lat["tpot"], 50))),
@@ -205,17 +216,38 @@ def main(argv=None) -> None:
             continue
         online_inputs = inputs[:args.online_requests or R]
         for rate in args.rates:
-            wall, lat = online(model, online_inputs, N, rate, args, args.seed)
+            wall, lat = online(model, mode, online_inputs, N, rate, args, args.seed)
             rows += _rows(mode, {"throughput": ("tok/s", len(online_inputs) * N / wall),
                                  "ttft_p50": ("s", _percentile(lat["ttft"], 50)),
                                  "ttft_p99": ("s", _percentile(lat["ttft"], 99)),
                                  "tpot_p50": ("ms", _scaled(_percentile(lat["tpot"], 50))),
                                  "tpot_p99": ("ms", _scaled(_percentile(lat["tpot"], 99)))},
                           {**base, "R": len(online_inputs), "arrival": f"poisson {rate:g}/s", "relay_used": used})
-    relay_hf.unpatch(model)
+    _set_up(model, None, stock_attn)
     append_rows(args.csv, SERVE_FIELDS, rows)
     print_table(rows, ["mode", "arrival", "metric", "unit", "median"])
     say(f"{len(rows)} rows appended to {args.csv}")
+
+
+def _set_up(model, mode: str | None, stock_attn: str) -> None:
+    """The model as ``mode`` runs it (``None``: as built): patched or not, on its own attention or relay's kernel; a
+    kept manager of the previous mode dropped."""
+    model.destroy_cached_continuous_batching_manager()
+    relay_hf.unpatch(model)
+    model.set_attn_implementation(stock_attn)
+    if mode in ("relay_cb", "relay_generate"):
+        relay_hf.patch(model)
+    elif mode == "flash_cb":
+        offer_kernel()
+        model.set_attn_implementation(KERNEL_ID)
+
+
+def _relay_used(model, mode: str) -> bool:
+    """Relay served the mode's calls: relay's flash kernel (by id, or the patched model's flash road), or host-road
+    steps counted by ``relay_hf.stats``."""
+    if mode == "flash_cb" or getattr(model, "relay_continuous_road", None) == "flash":
+        return True
+    return relay_hf.is_patched(model) and relay_hf.stats(model).relay_steps > 0
 
 
 def _scaled(seconds: float | None) -> float | None:

@@ -161,6 +161,25 @@ def paged_attention_name() -> str:
     return PAGED_NAMES[0] if "paged|sdpa" in ALL_ATTENTION_FUNCTIONS._global_mapping else PAGED_NAMES[1]
 
 
+@cache
+def decode_fast_path_available() -> bool:
+    """Whether the installed transformers' continuous batching has the decode fast path (block tables into the
+    paged cache, taken for flash-compatible kernels), found by looking for the function that turns it on."""
+    try:
+        from transformers.generation.continuous_batching import initialization
+    except ImportError:
+        return False
+    return hasattr(initialization, "ensure_decode_fast_path_is_available")
+
+
+def kernels_available() -> bool:
+    """Whether transformers can load attention kernels through the ``kernels`` package (installed, at a version
+    this transformers accepts)."""
+    from transformers.utils import is_kernels_available
+
+    return bool(is_kernels_available())
+
+
 def set_config_attn(config, name: str) -> None:
     """Select ``name`` on ``config`` directly (``set_attn_implementation`` refuses a flash-like name it cannot
     import a kernel for)."""

@@ -1,14 +1,19 @@
 """Relay inside transformers' continuous batching: the glue between a patched model and its managers.
 
 ``patch`` shadows the instance's ``init_continuous_batching`` (which ``generate_batch``, the context manager and
-``transformers serve`` all call) with ``RelayContinuousBatching``: it asks ``policy.continuous_reason`` whether relay
-serves, and switches the model to the name continuous batching accepts for relay (``_compat.paged_attention_name``),
-or, where relay cannot serve, to the model's own implementation: stock continuous batching, unchanged. The last of
-its managers to stop switches the model back to relay, unless ``unpatch`` let go of the model meanwhile.
+``transformers serve`` all call) with ``RelayContinuousBatching``: it asks ``policy.continuous_route`` whether relay
+serves and on which road, or, where relay cannot serve, switches the model to its own implementation: stock
+continuous batching, unchanged. The decision is kept as ``model.relay_continuous_reason`` (why stock, or ``None``)
+and ``model.relay_continuous_road`` (``"flash"``, or ``"host: <why not flash>"``). The last of its managers to stop
+switches the model back to relay, unless ``unpatch`` let go of the model meanwhile.
 
-Per step, a forward pre-hook (``lay_out_step``) lays the step out on the host from the cache's read index
-(``paged.paged_step``: each shared run of blocks read once) and hands it to every layer as the keyword
-``relay_step``; ``relay_paged_attention_forward`` runs it.
+* The flash road (CUDA, a transformers with the decode fast path): the model runs relay's flash kernel
+  (``flash.py``) under its kernel id, and transformers' own steps, block tables and CUDA graphs call it; the kernel
+  finds the shared pages in the block table on the device.
+* The host road: the model runs the name continuous batching accepts for relay (``_compat.paged_attention_name``);
+  per step, a forward pre-hook (``lay_out_step``) lays the step out on the host from the cache's read index
+  (``paged.paged_step``: each shared run of blocks read once) and hands it to every layer as the keyword
+  ``relay_step``; ``relay_paged_attention_forward`` runs it.
 """
 
 from __future__ import annotations
@@ -37,9 +42,10 @@ from .attention import (
     set_stock_implementation,
     stock_implementation,
 )
-from .names import PAGED_NAMES, is_paged_name, is_relay_name
+from .flash import KERNEL_ID, offer_kernel
+from .names import PAGED_NAMES, is_flash_name, is_paged_name, is_relay_name
 from .paged import paged_relay_attention, paged_step
-from .policy import continuous_reason
+from .policy import continuous_route
 from .state import relay_state
 from .stats import full_layer_kv_bytes
 
@@ -163,32 +169,27 @@ class RelayContinuousBatching:
         cb_config = _config_of(model, generation_config, continuous_batching_config)
         with self._lock:
             current = attn_implementation(model.config)
-            relay_or_paged = is_relay_name(current) or is_paged_name(current)
+            ours = is_relay_name(current) or is_paged_name(current) or is_flash_name(current)
             # released, or switched away by the user (not by a stock manager of ours that still runs)
-            if self._released or not (relay_or_paged or self.stock_live):
+            if self._released or not (ours or self.stock_live):
                 return init(model, generation_config, continuous_batching_config, *args, **kwargs)
             if is_relay_name(current):
                 self._relay = current
-            if is_paged_name(current):
-                why = None
-            elif not relay_or_paged:  # a stock manager of ours runs: the model is on its own attention already
-                why = model.relay_continuous_reason
+            if is_paged_name(current) or is_flash_name(current):  # a relay manager runs: this one takes its road
+                why, flash = None, is_flash_name(current)
+            elif not ours:  # a stock manager of ours runs: the model is on its own attention already
+                why, flash = model.relay_continuous_reason, False
             else:
-                why = continuous_reason(model, cb_config)
+                why, not_flash = continuous_route(model, cb_config)
+                flash = why is None and not_flash is None
+                if flash and not self.live:
+                    why = _select_kernel(model)
+                model.relay_continuous_road = None if why else ("flash" if flash else f"host: {not_flash}")
             model.relay_continuous_reason = why
             if why is None:
-                if self._hook is None:
-                    self._hook = model.register_forward_pre_hook(lay_out_step, with_kwargs=True)
-                self.kv_token_bytes = full_layer_kv_bytes(model)
-                continuous_batching_config = _without_graphs(cb_config)
-                if not self.live:
-                    for config in model_configs(model):
-                        stock = stock_implementation(config)
-                        set_config_attn(config, paged_attention_name())
-                        set_stock_implementation(config, stock)  # what a forward outside the manager runs
-                self.live += 1
+                continuous_batching_config = self._start_relay(flash, cb_config, continuous_batching_config)
             else:
-                if relay_or_paged:
+                if ours:
                     model.set_attn_implementation(stock_implementation(model.config))
                 self.stock_live += 1
                 relay_state(model).counters.add(stock_calls=1)
@@ -200,6 +201,22 @@ class RelayContinuousBatching:
         manager._relay_built = why is None  # its cache and mask choice were made for relay's name
         _after_stop(manager, lambda: self._stopped(why is None))
         return manager
+
+    def _start_relay(self, flash: bool, cb_config, asked):
+        """Count a relay manager in; returns the config it starts with. The flash road's goes as given (CUDA graphs
+        as stock would have them; ``_select_kernel`` switched the model). On the host road the first manager switches
+        the model to the paged name, and each gets a copy with graphs off (relay lays each step out on the host)."""
+        model = self.__self__
+        if not flash and self._hook is None:
+            self._hook = model.register_forward_pre_hook(lay_out_step, with_kwargs=True)
+        self.kv_token_bytes = full_layer_kv_bytes(model)
+        if not self.live and not flash:  # (the flash road's switch is _select_kernel's)
+            for config in model_configs(model):
+                stock = stock_implementation(config)
+                set_config_attn(config, paged_attention_name())
+                set_stock_implementation(config, stock)  # what a forward outside the manager runs
+        self.live += 1
+        return asked if flash else _without_graphs(cb_config)
 
     def _stopped(self, relay: bool) -> None:
         """A manager stopped (or failed to start): the model goes back to relay once none of ours runs, unless
@@ -216,6 +233,17 @@ class RelayContinuousBatching:
 
     def __reduce__(self):  # the hook travels with the model's own state: a copy gets a new one
         return RelayContinuousBatching, (self.__self__,)
+
+
+def _select_kernel(model) -> str | None:
+    """Switch ``model`` to relay's flash kernel (offered to transformers under its id first), or say why
+    transformers did not take it: the manager then runs stock continuous batching."""
+    try:
+        offer_kernel()
+        model.set_attn_implementation(KERNEL_ID)
+    except Exception as error:  # the kernels package or transformers refused it here
+        return f"transformers did not take relay's flash kernel: {type(error).__name__}: {str(error)[:200]}"
+    return None
 
 
 def _after_stop(manager, after) -> None:

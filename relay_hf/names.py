@@ -1,6 +1,8 @@
 """The attention implementation names relay_hf registers with transformers, and which stock implementation each
 stands for."""
 
+from .flash import KERNEL_ID
+
 ATTN_NAME = "relay"
 # The name a patched model runs under says which implementation it runs without a relay prefix, so a copied or
 # unpickled model keeps it. (No "flash" in these names: transformers treats such names as flash attention.)
@@ -22,3 +24,9 @@ PAGED_NAMES = ("paged|relay", "relay_paged_flash")
 def is_paged_name(name: str | None) -> bool:
     """Whether ``name`` is the implementation a patched model runs continuous batching under."""
     return name in PAGED_NAMES
+
+
+def is_flash_name(name: str | None) -> bool:
+    """Whether ``name`` is relay's flash kernel, as a patched model runs it while a manager serves it on the flash
+    road (transformers 5.17's continuous batching prefixes it with ``paged|``)."""
+    return name is not None and name.rpartition("|")[2] == KERNEL_ID

@@ -185,6 +185,7 @@ def unpatch(model):
     model.__dict__.pop("generate", None)
     model.__dict__.pop("relay_last_decision", None)
     model.__dict__.pop("relay_continuous_reason", None)
+    model.__dict__.pop("relay_continuous_road", None)
     model.__dict__.pop("init_continuous_batching", None)
     if state.declined is None:
         _switch_back(model, state.original_attn)

@@ -28,11 +28,18 @@ from dataclasses import dataclass, field
 import torch
 from transformers import CompileConfig, GenerationConfig
 
-from ._compat import attn_implementation, masks_skip_paged_cache, resolve_generation_config
+from ._compat import (
+    attn_implementation,
+    decode_fast_path_available,
+    kernels_available,
+    masks_skip_paged_cache,
+    resolve_generation_config,
+)
 from .cache import RelayCache
 from .cache_check import check_cache
+from .flash import KERNEL_ID, check_reason
 from .loop_rules import decode_step, loop_choice_reason, loop_reason, static_shape
-from .names import is_paged_name, is_relay_name
+from .names import is_flash_name, is_paged_name, is_relay_name
 from .prefix import Grouping, PrefixTree, common_prefix_length, find_groups, left_padding, split_at_pinned
 from .rope import rope_reason
 from .sampling import LoopProcessors, loop_processors
@@ -165,10 +172,14 @@ def model_reason(model) -> str | None:
     if state.declined is not None:
         return state.declined
     name = attn_implementation(model.config)
-    if is_paged_name(name):  # a continuous-batching manager of this model runs
-        if not masks_skip_paged_cache():
-            raise ValueError("a continuous batching manager of this model is running, under the attention name "
-                             f"{name!r} it needs; stop it before calling generate")
+    if name == KERNEL_ID:  # a manager serves the model through relay's flash kernel, which stock forwards call too
+        return "a continuous batching manager of this model runs relay's flash kernel; generate runs stock meanwhile"
+    # a continuous-batching manager of this model runs under a name only continuous batching can call (5.17's
+    # ``paged|`` names), or under relay's paged name, which newer versions let relay serve generate with
+    if is_flash_name(name) or (is_paged_name(name) and not masks_skip_paged_cache()):
+        raise ValueError("a continuous batching manager of this model is running, under the attention name "
+                         f"{name!r} it needs; stop it before calling generate")
+    if is_paged_name(name):
         return None
     if not is_relay_name(name):
         return f"the model's attention implementation was set to {name!r} after relay_hf.patch"
@@ -177,28 +188,68 @@ def model_reason(model) -> str | None:
 
 def continuous_reason(model, cb_config) -> str | None:
     """Why a continuous-batching manager of ``model`` (``generate_batch``, ``init_continuous_batching``, a server)
-    must run stock continuous batching, or ``None``: relay serves its steps (``paged.py``). ``cb_config``: the
-    ``ContinuousBatchingConfig`` asked for, or ``None``.
+    must run stock continuous batching, or ``None``: relay serves its steps. ``cb_config``: the
+    ``ContinuousBatchingConfig`` asked for, or ``None``. ``continuous_route`` says which road serves them."""
+    return continuous_route(model, cb_config)[0]
 
-    Relay plans each step on the host from the cache's read index, so a step captured as a CUDA graph or compiled
-    (which replays without the host) runs stock; so do models with sliding-window layers (transformers shares no
-    blocks there) and training mode."""
+
+def continuous_route(model, cb_config) -> tuple[str | None, str | None]:
+    """``(why stock, why not the flash road)`` for a continuous-batching manager of ``model``.
+
+    Relay serves on one of two roads. The flash road (``flash_reason`` is ``None``): transformers' own decode fast
+    path runs relay's flash kernel (``flash.py``): block tables, CUDA graphs and compiled steps as stock has them.
+    Else the host road: relay lays each step out on the host from the cache's read index (``paged.py``), so a step
+    captured as a CUDA graph or compiled (which replays without the host) runs stock there. Models with
+    sliding-window layers (transformers shares no blocks there) and training mode run stock on both."""
     why = model_reason(model)
+    if why is None and model.training:
+        why = TRAINING
     if why is not None:
-        return why
-    if model.training:
-        return TRAINING
+        return why, None
     text = model.config.get_text_config(decoder=True)
     windowed = getattr(text, "sliding_window", None) is not None and getattr(text, "use_sliding_window", True)
     if windowed or set(getattr(text, "layer_types", None) or ["full_attention"]) != {"full_attention"}:
-        return "continuous batching shares no blocks of sliding-window layers"
+        return "continuous batching shares no blocks of sliding-window layers", None
+    not_flash = flash_reason(model, cb_config)
+    if not_flash is None:
+        return None, None
     graphs = getattr(cb_config, "use_cuda_graph", None)
     if graphs is True or (isinstance(graphs, tuple) and any(graphs)):
-        return "the continuous batching config asks for CUDA graphs, which replay without relay's per-step plan"
+        return ("the continuous batching config asks for CUDA graphs, which replay without relay's per-step plan "
+                f"(relay's flash kernel, which they could replay, is not used: {not_flash})"), not_flash
     if any(getattr(cb_config, name, None) for name in ("varlen_compile_config", "decode_compile_config",
                                                        "default_compile_level")):
-        return "the continuous batching config asks for a compiled step, which runs without relay's per-step plan"
-    return None
+        return ("the continuous batching config asks for a compiled step, which runs without relay's per-step plan "
+                f"(relay's flash kernel is not used: {not_flash})"), not_flash
+    return None, not_flash
+
+
+def flash_reason(model, cb_config) -> str | None:
+    """Why relay's flash kernel cannot serve ``model``'s continuous batching on transformers' decode fast path, or
+    ``None``. That path exists for flash-compatible kernels on CUDA only."""
+    if model.device.type != "cuda":
+        return f"transformers takes its decode fast path on CUDA only (the model is on {model.device.type})"
+    return flash_fit_reason(model, cb_config)
+
+
+def flash_fit_reason(model, cb_config) -> str | None:
+    """``flash_reason`` past the device: what the installed transformers offers, the model and the kernel's check."""
+    if not decode_fast_path_available():
+        return "the installed transformers has no decode fast path in continuous batching"
+    if not kernels_available():
+        return "the kernels package (at a version this transformers accepts) is not installed"
+    if not getattr(model, "_supports_flash_attn", False):
+        return f"{type(model).__name__} does not support flash attention implementations"
+    if getattr(cb_config, "max_blocks_per_request", None) == 0:
+        return "the continuous batching config turns the decode fast path off (max_blocks_per_request=0)"
+    text = model.config.get_text_config(decoder=True)
+    heads = text.num_attention_heads
+    kv_heads = getattr(text, "num_key_value_heads", None) or heads
+    head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
+    if head_dim > 256 or heads % kv_heads or model.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+        return f"relay's flash kernel serves head sizes up to 256 in fp16, bf16 or fp32 (head size {head_dim}, " \
+               f"{model.dtype})"
+    return check_reason(model.device, model.dtype, heads, kv_heads, head_dim)
 
 
 def keep_reason(model) -> str | None:

@@ -35,6 +35,7 @@ from ._compat import (
     serve_model_manager,
     serve_runs_engines,
 )
+from .flash import local_kernels_entry
 
 _PATCH_LOCK = threading.Lock()
 STATS_HELP = "    GET  /relay/stats         — relay_hf's counters (relay_hf.stats) of each model loaded now."
@@ -182,12 +183,20 @@ def help_text() -> str:
     return "\n".join([*lines[:at + 1], STATS_HELP, *lines[at + 1:]]) + "\n"
 
 
+def kernel() -> None:
+    """Print the LOCAL_KERNELS entry under which transformers loads relay's flash kernel by its id, e.g.
+    ``LOCAL_KERNELS=$(relay-hf kernel) transformers serve MODEL --continuous-batching --attn-implementation
+    relay-hf/relay-flash3``."""
+    print(local_kernels_entry())
+
+
 def app():
     """The ``relay-hf`` command line (the factory transformers' own CLI is built with: same help and options)."""
     from huggingface_hub import typer_factory
 
     cli = typer_factory(help="relay_hf: RelayAttention for transformers")
     cli.command(name="serve", help=help_text())(_relay_serve_class())
+    cli.command(name="kernel", help=kernel.__doc__)(kernel)
     return cli
 
 

@@ -157,3 +157,24 @@ def test_the_host_layer_call_is_the_seam_s_relay_attention(one_thread):
     out, weights = generate._layer_call(model, torch.arange(10, 30), 3, 5)()
     c = model.config
     assert out.shape == (3, 1, c.num_attention_heads, c.head_dim) and weights is None and torch.isfinite(out).all()
+
+
+def test_serve_cpu_smoke_run_measures_every_mode(tmp_path, one_thread):
+    """The serving benchmark's CPU path on a tiny random model: offline (kept managers) and online rows for stock
+    continuous batching, the patched model and relay's flash kernel by its id, each mode's tokens served."""
+    from benchmarks import serve
+    from relay_hf import _compat
+
+    modes = ["stock_cb", "relay_cb"] + (["flash_cb"] if _compat.kernels_available() else [])
+    path = tmp_path / "serve.csv"
+    serve.main(["--model-shape", "tiny", "--device", "cpu", "--dtype", "float32", "--requests", "4", "--prefix-len",
+                "32", "--new-tokens", "4", "--page-size", "8", "--num-blocks", "64", "--max-batch-tokens", "64",
+                "--rates", "4", "--persistent", "--modes", *modes, "--csv", str(path)])
+    rows = common.read_rows(path)
+    assert list(rows[0]) == common.SERVE_FIELDS
+    got = {(r["mode"], r["arrival"], r["metric"]): r for r in rows}
+    for mode in modes:
+        for arrival in ("offline persistent", "poisson 4/s"):
+            assert float(got[(mode, arrival, "throughput")]["median"]) > 0
+        assert float(got[(mode, "offline persistent", "first_call")]["median"]) > 0
+        assert got[(mode, "offline persistent", "throughput")]["relay_used"] == str(mode != "stock_cb")

@@ -58,6 +58,9 @@ def test_wheel_and_sdist_install_and_carry_what_they_should(tmp_path):
     wheel = tmp_path / _build("wheel", tmp_path)
     names = zipfile.ZipFile(wheel).namelist()
     assert "relay_hf/py.typed" in names and "relay_hf/policy.py" in names
+    kernel = "relay_hf/flash_kernel/build/torch-universal/"
+    assert {kernel + "metadata.json", kernel + "relay_flash3/__init__.py", kernel + "relay_flash3/paged.py"} <= set(
+        names)
     assert not any(n.startswith(("benchmarks/", "tests/")) for n in names)  # the library only
     assert any(n.endswith("licenses/LICENSE") for n in names)
     sdist = tarfile.open(tmp_path / _build("sdist", tmp_path))
@@ -73,7 +76,9 @@ def test_wheel_and_sdist_install_and_carry_what_they_should(tmp_path):
     # running environment's own .pth files (an editable install's finder among them) are not run.
     (Path(site) / "running_environment.pth").write_text("\n".join(_running_environment_paths()) + "\n")
     subprocess.run([python, "-m", "pip", "install", "-q", "--no-deps", "--no-index", str(wheel)], check=True)
-    probe = "import relay_hf, pathlib; print(relay_hf.__version__, relay_hf.__file__)"
+    # the flash kernel loads from the installed files (transformers finds it there by its id, LOCAL_KERNELS)
+    probe = ("import relay_hf, relay_hf.flash as f; assert callable(f.load_kernel().flash_attn_with_kvcache); "
+             "print(relay_hf.__version__, relay_hf.__file__)")
     done = subprocess.run([python, "-c", probe], cwd=tmp_path, capture_output=True, text=True)
     assert done.returncode == 0, done.stderr  # e.g. torch or transformers not found from the venv
     installed, where = done.stdout.split()

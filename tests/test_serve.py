@@ -47,14 +47,14 @@ def _free_port() -> int:
 class Server:
     """One ``serve`` subprocess on a loopback port; its output goes to a file (read back when it fails)."""
 
-    def __init__(self, name: str, module: str, model_dir: str, log_dir, env: dict):
+    def __init__(self, name: str, module: str, model_dir: str, log_dir, env: dict, extra: tuple = ()):
         self.name, self.model = name, model_dir
         self.port = _free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = log_dir / f"{name}.log"
         self._log = open(self.log_path, "wb")
         self.process = subprocess.Popen(
-            [sys.executable, "-m", module, "serve", model_dir, *CB_OPTIONS, "--host", "127.0.0.1",
+            [sys.executable, "-m", module, "serve", model_dir, *CB_OPTIONS, *extra, "--host", "127.0.0.1",
              "--port", str(self.port)],
             stdout=self._log, stderr=subprocess.STDOUT, env=env)
 
@@ -118,6 +118,7 @@ def servers(smollm2, tmp_path_factory):
     env.update(HF_HUB_OFFLINE="1", HF_HUB_DISABLE_UPDATE_CHECK="1", TOKENIZERS_PARALLELISM="false",
                OMP_NUM_THREADS=str(max(1, (os.cpu_count() or 2) // 2)))  # two servers share the cores
     logs = tmp_path_factory.mktemp("serve_logs")
+    _SERVED.update(model_dir=str(model_dir), env=env, logs=logs)
     started = []
     try:
         for name, module in (("stock", "transformers.cli.transformers"), ("relay", "relay_hf")):
@@ -129,6 +130,9 @@ def servers(smollm2, tmp_path_factory):
     finally:
         for server in started:
             server.stop()
+
+
+_SERVED: dict = {}  # the saved model, environment and log directory of ``servers`` (for ``kernel_server``)
 
 
 def _messages(system_prompt: str, question: str) -> list[dict]:
@@ -230,6 +234,33 @@ def test_bad_request_same_status(servers, concurrent, system_prompt, body):
     assert all(request(s, "GET", "/health")[0] == 200 for s in servers)
 
 
+@pytest.fixture(scope="module")
+def kernel_server(servers, concurrent):
+    """Stock ``transformers serve`` with relay's flash kernel as its attention (``--attn-implementation``), found
+    through ``LOCAL_KERNELS`` as ``relay-hf kernel`` prints it (in the engine process too, where there is one)."""
+    from relay_hf import _compat
+    from relay_hf.flash import KERNEL_ID
+
+    if not _compat.kernels_available():
+        pytest.skip("transformers loads attention kernels through the kernels package, not installed here")
+    entry = subprocess.run([sys.executable, "-m", "relay_hf", "kernel"], capture_output=True, text=True,
+                           timeout=120, check=True).stdout.strip()
+    env = dict(_SERVED["env"], LOCAL_KERNELS=entry)
+    server = Server("kernel", "transformers.cli.transformers", _SERVED["model_dir"], _SERVED["logs"], env,
+                    extra=("--attn-implementation", KERNEL_ID))
+    try:
+        server.wait_healthy(time.monotonic() + STARTUP_S)
+        yield server
+    finally:
+        server.stop()
+
+
+def test_stock_serve_with_relays_kernel_id_answers_like_stock(servers, concurrent, kernel_server, system_prompt):
+    stock_answers = concurrent[0]
+    assert _concurrent_answers(kernel_server, system_prompt) == stock_answers
+    assert request(kernel_server, "GET", "/health")[0] == 200
+
+
 def test_help_lists_the_stats_route():
     out = subprocess.run([sys.executable, "-m", "relay_hf", "serve", "--help"], capture_output=True, text=True,
                          timeout=120, env={**os.environ, "COLUMNS": "200"})
@@ -278,3 +309,41 @@ def test_the_loader_patches_what_it_loads_and_travels_to_an_engine_process():
     assert relay_hf.is_patched(model) and processor == "processor of m"
     assert loader.load_config("m") == "config of m"
     relay_hf.unpatch(model)
+
+
+def _load(server: Server, system_prompt: str) -> list[str | None]:
+    """32 chats at once under the system prompt (questions cycled, half of them streaming); every fourth is a stream
+    the client drops after its first chunk (``None`` in the result)."""
+    def one(i: int) -> str | None:
+        messages = _messages(system_prompt, QUESTIONS[i % len(QUESTIONS)])
+        if i % 4 != 3:
+            return _chat(server, messages, stream=i % 2 == 0)
+        client = server.client()
+        try:
+            stream = client.chat.completions.create(model=server.model, messages=messages, max_tokens=12,
+                                                    temperature=0, stream=True)
+            next(iter(stream))
+            stream.close()
+        finally:
+            client.close()
+        return None
+
+    with ThreadPoolExecutor(32) as pool:
+        return [f.result(timeout=4 * REQUEST_S) for f in [pool.submit(one, i) for i in range(32)]]
+
+
+def _check_load(server: Server, system_prompt: str, stock_answers: list[str]) -> None:
+    got = _load(server, system_prompt)
+    assert got == [None if i % 4 == 3 else stock_answers[i % len(QUESTIONS)] for i in range(32)]
+    assert request(server, "GET", "/health")[0] == 200
+    assert _chat(server, _messages(system_prompt, QUESTIONS[0]), stream=True) == stock_answers[0]
+
+
+@pytest.mark.long  # 32 concurrent chats: about half a minute on two cores
+def test_relay_under_load_with_dropped_streams_answers_as_stock(servers, concurrent, system_prompt):
+    _check_load(servers[1], system_prompt, concurrent[0])
+
+
+@pytest.mark.long
+def test_the_kernel_under_load_with_dropped_streams_answers_as_stock(kernel_server, concurrent, system_prompt):
+    _check_load(kernel_server, system_prompt, concurrent[0])

@@ -25,15 +25,30 @@ MAX_MODULE, MAX_CLASS, MAX_FUNCTION = 500, 200, 70
 OPTION_MODULES = {"relay_hf/kernels/options.py", "relay_hf/kernels/jit.py", "relay_hf/kernels/reference.py",
                   "relay_hf/attention.py"}
 STATE_MODULES = {"relay_hf/state.py"}
+# relay's flash kernel: a kernel package of its own (the ``kernels`` layout), shipped inside relay_hf; it keeps the
+# size limits, takes its options as flash-attention's functions do, and imports nothing of relay_hf
+KERNEL_PACKAGE = PACKAGE / "flash_kernel"
 
 
-def _modules() -> dict[str, Path]:
-    """Dotted module name -> file, for every module of the package."""
+def _modules(package: bool = True) -> dict[str, Path]:
+    """Dotted module name -> file, for every module of relay_hf (``package``) or of its flash kernel package."""
     found = {}
     for path in sorted(PACKAGE.rglob("*.py")):
+        if (KERNEL_PACKAGE in path.parents) == package:
+            continue
         parts = path.relative_to(REPO).with_suffix("").parts
         found[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
     return found
+
+
+def test_the_flash_kernel_package_imports_nothing_of_relay_hf():
+    kernel = _modules(package=False)
+    assert len(kernel) >= 4
+    for path in kernel.values():
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = [node.module or ""] if isinstance(node, ast.ImportFrom) and not node.level else [
+                a.name for a in node.names] if isinstance(node, ast.Import) else []
+            assert not [n for n in names if n.split(".")[0] == "relay_hf"], path
 
 
 def _imports(name: str, path: Path, modules: dict[str, Path]) -> set[str]:
@@ -115,7 +130,8 @@ def _long_pieces(path: Path) -> list[str]:
 
 
 def test_modules_classes_and_functions_are_short():
-    long = [piece for path in _modules().values() for piece in _long_pieces(path)]
+    modules = [*_modules().values(), *_modules(package=False).values()]
+    long = [piece for path in modules for piece in _long_pieces(path)]
     assert not long, long
 
 

@@ -1,0 +1,217 @@
+"""``flash_attn_with_kvcache`` for a paged decode step, relay style: shared leading pages read once per group.
+
+Tensors (``B`` requests of the step, ``P`` pages of ``page_size`` tokens, ``M`` block-table columns):
+
+* ``q [B, 1, H_q, D]`` one query per request (fp16, bf16 or fp32), the output has its shape and dtype;
+* ``k_cache``/``v_cache [P, page_size, H_kv, D]`` the pages (any strides; K and V may alias one allocation);
+* ``k``/``v [B, 1, H_kv, D]`` the step's new K/V, written by this call into token ``cache_seqlens[b]`` of row
+  ``b``'s pages (or ``None``: nothing to write, attend to ``cache_seqlens`` tokens);
+* ``block_table [B, M]`` int32 page ids (``-1`` unallocated), ``cache_seqlens [B]`` int32 tokens cached before
+  this step (``-1``: a padding row, which writes nothing and gets zeros);
+* ``s_aux [H_q]`` optional attention-sink logits (natural log, not scaled).
+
+On CUDA (or under ``TRITON_INTERPRET=1``) the step runs as ``grouping.share_groups`` plus four launches (write,
+shared partials, own partials, merge) with static shapes: it can be captured in a CUDA graph. The groups are
+derived once per step: by the first layer, recognised by its ``k_cache`` pointer (``_StepGroups``); the other layers
+of the step read them. Elsewhere a PyTorch path computes the same attention row by row.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import os
+import threading
+from collections import OrderedDict
+
+import torch
+
+from . import grouping
+
+try:
+    from . import paged_jit
+except ImportError:  # pragma: no cover
+    paged_jit = None
+
+# Tile configs: query rows of one shared tile (members x GQA group), keys per inner step; splits fill the GPU when a
+# step has few groups. A shared tile reads its pages once for all of its members.
+BLOCK_M_SHARED = 64
+BLOCK_N = 32
+MAX_SPLITS = 8
+SHARED_PROGRAMS = 16  # programs per KV head and split looping over a step's live shared tiles (one group: 1-8)
+CPU_SM_COUNT = 4  # the interpreter: few splits
+
+
+def triton_serves(q: torch.Tensor) -> bool:
+    """The Triton kernels run here: ``q`` on CUDA, or Triton's CPU interpreter is on."""
+    return paged_jit is not None and (q.is_cuda or os.environ.get("TRITON_INTERPRET") == "1")
+
+
+def _pow2(n: int) -> int:
+    return 1 << max(0, int(n) - 1).bit_length()
+
+
+class _StepGroups:
+    """The groups of the step in flight per block table, found again by every layer after the first.
+
+    The flash interface gives a layer no handle on its step, so the first layer's ``k_cache`` pointer marks the start
+    of a step: a call with that pointer derives the groups again, any other reads them (every layer of a step sees
+    the same block table and lengths). Entries are keyed by the block table's address, shape and strides and by the
+    cache's allocation and page layout (all layers' pages share one allocation in transformers 5.25; where each
+    layer has its own, every layer derives its groups). A few are kept: one per table in flight (async batching
+    doubles them)."""
+
+    def __init__(self, size: int = 16):
+        self._entries: OrderedDict = OrderedDict()
+        self._size = size
+        self._lock = threading.Lock()
+
+    def get(self, block_table, past, k_cache, page_size: int, rows_per_tile: int) -> grouping.Groups:
+        key = (block_table.device, block_table.data_ptr(), tuple(block_table.shape), tuple(block_table.stride()),
+               tuple(k_cache.shape), tuple(k_cache.stride()),
+               k_cache.untyped_storage().data_ptr(), rows_per_tile)
+        with self._lock:
+            entry = self._entries.get(key)
+            if entry is not None and entry[0] != k_cache.data_ptr():
+                self._entries.move_to_end(key)
+                return entry[1]
+        groups = grouping.share_groups(block_table, past, page_size, rows_per_tile)
+        with self._lock:
+            first = entry[0] if entry is not None else k_cache.data_ptr()
+            self._entries[key] = (first, groups)
+            self._entries.move_to_end(key)
+            while len(self._entries) > self._size:
+                self._entries.popitem(last=False)
+        return groups
+
+
+_STEP_GROUPS = _StepGroups()
+
+
+@functools.cache
+def _sm_count(device: torch.device) -> int:
+    if device.type != "cuda":
+        return CPU_SM_COUNT
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def _splits(device: torch.device, kv_heads: int, units: int) -> int:
+    """Splits of a KV range so that ``units`` programs per KV head fill the device twice over (flash-decoding)."""
+    want = -(-2 * _sm_count(device) // max(1, kv_heads * units))
+    return max(1, min(MAX_SPLITS, _pow2(want)))
+
+
+def paged_relay_triton(q, k_cache, v_cache, k, v, block_table, past, scale, softcap, s_aux, groups=None,
+                       shared_splits=None, own_splits=None):
+    """The Triton path (module docstring); ``groups``/``*_splits`` override the derived ones (tests)."""
+    batch, _, heads, dim = q.shape
+    kv_heads, page_size = k_cache.shape[2], k_cache.shape[1]
+    group = heads // kv_heads
+    rows_per_tile = max(1, BLOCK_M_SHARED // _pow2(group))
+    block_d = max(16, _pow2(dim))
+    if k is not None:
+        paged_jit._write_kernel[(batch, kv_heads)](k, v, k_cache, v_cache, block_table, past, _st(k), _st(v),
+                                                   k_cache.stride(), v_cache.stride(), block_table.stride(0),
+                                                   page_size, dim, BLOCK_D=block_d)
+    seq = torch.where(past >= 0, past + (1 if k is not None else 0), 0).to(torch.int32)  # tokens attended
+    if groups is None:
+        groups = _STEP_GROUPS.get(block_table, past, k_cache, page_size, rows_per_tile)
+    programs = min(batch, SHARED_PROGRAMS)
+    s_shared = shared_splits or _splits(q.device, kv_heads, min(programs, max(1, batch // rows_per_tile)))
+    s_own = own_splits or _splits(q.device, kv_heads, batch)
+    slots = _pow2(2 * s_shared + s_own)
+    po = torch.empty(slots, batch, heads, dim, device=q.device, dtype=torch.float32)
+    plse = torch.full((slots, batch, heads), float("-inf"), device=q.device, dtype=torch.float32)
+    # log2-domain factor on q.k; with a softcap it is the tanh's argument scale * log2(e) / softcap instead
+    scale_log2 = scale / math.log(2.0) / (softcap if softcap else 1.0)
+    # fp32 products in fp32 (exact to the oracle); bf16 too on the CPU interpreter, whose bf16 products are wrong
+    ieee = q.dtype == torch.float32 or (q.dtype == torch.bfloat16 and not q.is_cuda)
+    common = dict(BLOCK_N=BLOCK_N, BLOCK_D=block_d, SOFTCAP=bool(softcap), IEEE=ieee)
+    strides = (_st(q), k_cache.stride(), v_cache.stride(), po.stride(), plse.stride())
+    paged_jit._shared_kernel[(programs, kv_heads, s_shared)](
+        q, k_cache, v_cache, block_table, groups.tiles, groups.counts, groups.members, groups.bounds, po, plse,
+        *strides, batch, block_table.stride(0), page_size, group, dim, scale_log2, float(softcap), PROGRAMS=programs,
+        ROWS_PER_TILE=rows_per_tile, BLOCK_M=max(16, _pow2(rows_per_tile * group)), SPLITS=s_shared, **common)
+    paged_jit._own_kernel[(batch, kv_heads, s_own)](
+        q, k_cache, v_cache, block_table, seq, groups.bounds, po, plse, *strides, block_table.stride(0), page_size,
+        group, dim, scale_log2, float(softcap), 2 * s_shared, BLOCK_M=max(16, _pow2(group)), SPLITS=s_own, **common)
+    out = torch.empty_like(q)
+    sinks = s_aux if s_aux is not None else plse
+    paged_jit._merge_kernel[(batch, kv_heads)](po, plse, out, sinks, po.stride(), plse.stride(), _st(out), group, dim,
+                                               SLOTS=slots, BLOCK_G=max(2, _pow2(group)), BLOCK_D=block_d,
+                                               HAS_SINKS=s_aux is not None)
+    return out
+
+
+def _st(x: torch.Tensor) -> tuple[int, int, int]:
+    """Strides of a ``[B, 1, H, D]`` tensor over b, h, d."""
+    return x.stride(0), x.stride(2), x.stride(3)
+
+
+def paged_attention_torch(q, k_cache, v_cache, k, v, block_table, past, scale, softcap, s_aux):
+    """The PyTorch path: the same write and attention, row by row (host-synchronising; not for CUDA graphs)."""
+    page_size = k_cache.shape[1]
+    valid = past >= 0
+    if k is not None:
+        rows = torch.nonzero(valid & (block_table.gather(1, (past.clamp(min=0) // page_size)[:, None].long())[:, 0]
+                                      >= 0)).flatten()
+        pos = past[rows].long()
+        pages = block_table[rows, pos // page_size].long()
+        k_cache[pages, pos % page_size] = k[rows, 0].to(k_cache.dtype)
+        v_cache[pages, pos % page_size] = v[rows, 0].to(v_cache.dtype)
+    seq = torch.where(valid, past + (1 if k is not None else 0), 0).tolist()
+    out = torch.zeros_like(q)
+    group = q.shape[2] // k_cache.shape[2]
+    for b, n in enumerate(seq):
+        if n <= 0:
+            continue
+        t = torch.arange(n, device=q.device)
+        pages = block_table[b, t // page_size].long()
+        keys = k_cache[pages, t % page_size].float().repeat_interleave(group, 1)  # [n, H_q, D]
+        values = v_cache[pages, t % page_size].float().repeat_interleave(group, 1)
+        scores = torch.einsum("hd,nhd->hn", q[b, 0].float(), keys) * scale
+        if softcap:
+            scores = softcap * torch.tanh(scores / softcap)
+        if s_aux is not None:
+            scores = torch.cat([scores, s_aux.float()[:, None]], 1)
+        weights = torch.softmax(scores, -1)[:, :n]
+        out[b, 0] = torch.einsum("hn,nhd->hd", weights, values).to(q.dtype)
+    return out
+
+
+def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None, rotary_sin=None,
+                            cache_seqlens=None, cache_batch_idx=None, cache_leftpad=None, block_table=None,
+                            softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
+                            rotary_interleaved=True, alibi_slopes=None, num_splits=0, return_softmax_lse=False,
+                            s_aux=None, **kwargs):
+    """flash-attn 2's ``flash_attn_with_kvcache`` for one query per request over a paged cache (module docstring).
+
+    ``causal`` changes nothing for one query (it sees every cached token). Returns ``[B, 1, H_q, D]`` in ``q``'s
+    dtype. What it does not implement raises ``ValueError`` (rotary embedding, cache index remapping, left padding,
+    ALiBi, sliding windows, returning the LSE, more than one query per request)."""
+    unsupported = {"rotary_cos": rotary_cos is not None, "cache_batch_idx": cache_batch_idx is not None,
+                   "cache_leftpad": cache_leftpad is not None, "alibi_slopes": alibi_slopes is not None,
+                   "return_softmax_lse": bool(return_softmax_lse),
+                   "window_size": tuple(window_size or (-1, -1)) != (-1, -1)}
+    named = [name for name, given in unsupported.items() if given]
+    if named:
+        raise ValueError(f"relay-flash3's flash_attn_with_kvcache does not implement {', '.join(named)}")
+    if block_table is None or cache_seqlens is None:
+        raise ValueError("relay-flash3's flash_attn_with_kvcache needs a paged cache: block_table and cache_seqlens")
+    if q.dim() != 4 or q.shape[1] != 1:
+        raise ValueError(f"relay-flash3 serves one query per request (q [B, 1, H_q, D]); got q of shape "
+                         f"{tuple(q.shape)}")
+    if (k is None) != (v is None):
+        raise ValueError("relay-flash3: pass both k and v, or neither")
+    if q.shape[2] % k_cache.shape[2] or q.shape[3] != k_cache.shape[3] or q.shape[3] > 256:
+        raise ValueError(f"relay-flash3: query heads {q.shape[2]} must be a multiple of the cache's KV heads "
+                         f"{k_cache.shape[2]}, with the same head size (at most 256); got q {tuple(q.shape)}, "
+                         f"k_cache {tuple(k_cache.shape)}")
+    if not isinstance(cache_seqlens, torch.Tensor):
+        cache_seqlens = torch.full((q.shape[0],), int(cache_seqlens), dtype=torch.int32, device=q.device)
+    scale = softmax_scale if softmax_scale is not None else q.shape[-1] ** -0.5
+    softcap = float(softcap or 0.0)
+    # the kernels step along a table row and the lengths by one element (transformers' tensors already are so)
+    block_table = block_table if block_table.stride(-1) == 1 else block_table.contiguous()
+    args = (q, k_cache, v_cache, k, v, block_table, cache_seqlens.contiguous(), scale, softcap, s_aux)
+    return paged_relay_triton(*args) if triton_serves(q) else paged_attention_torch(*args)

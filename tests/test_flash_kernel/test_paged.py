@@ -1,0 +1,203 @@
+"""relay-flash3's paged decode step (``flash_attn_with_kvcache``) against a float64 oracle, on random block tables
+with and without shared leading runs; and the groups it derives from a block table."""
+
+from __future__ import annotations
+
+import zlib
+
+import pytest
+import torch
+
+from relay_hf.flash import load_kernel
+
+kernel = load_kernel()
+paged, grouping = kernel.paged, kernel.grouping
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # the Triton path: CUDA, else the CPU interpreter
+
+
+def _on(device, step):
+    """The step's tensors on ``device`` (the oracle keeps the CPU originals)."""
+    return tuple(t.to(device) for t in step)
+
+
+def _step(seed, page_size, lens, shared, kv_heads=2, group=2, dim=16, dtype=torch.float32, pad_rows=0, spare=0):
+    """A random decode step: ``lens[b]`` tokens cached per row; ``shared[b] = (key, pages)``: rows with the same key
+    share their first ``pages`` pages (a prefix of a longer shared run keeps the same page ids); pages are allocated
+    for ``spare`` more tokens per row."""
+    gen = torch.Generator().manual_seed(seed)
+    batch = len(lens) + pad_rows
+    width = max(-(-(n + 1 + spare) // page_size) for n in lens) + 1
+    ids = iter(torch.randperm(4 * batch * width, generator=gen).tolist())
+    runs: dict = {}
+    table = torch.full((batch, width), -1, dtype=torch.int32)
+    for b, n in enumerate(lens):
+        key, pages = shared[b]
+        run = runs.setdefault(key, [])
+        while len(run) < pages:
+            run.append(next(ids))
+        for j in range(-(-(n + 1 + spare) // page_size)):
+            table[b, j] = run[j] if j < pages else next(ids)
+    pool = 4 * batch * width
+    k_cache = torch.randn(pool, page_size, kv_heads, dim, generator=gen).to(dtype)
+    v_cache = torch.randn(pool, page_size, kv_heads, dim, generator=gen).to(dtype)
+    q = torch.randn(batch, 1, kv_heads * group, dim, generator=gen).to(dtype)
+    k = torch.randn(batch, 1, kv_heads, dim, generator=gen).to(dtype)
+    v = torch.randn(batch, 1, kv_heads, dim, generator=gen).to(dtype)
+    past = torch.tensor(list(lens) + [-1] * pad_rows, dtype=torch.int32)
+    return q, k_cache, v_cache, k, v, table, past
+
+
+def _oracle(q, k_cache, v_cache, k, v, table, past, scale, softcap=0.0, sinks=None):
+    """float64: the caches after the write and the attention of each row over its ``past + 1`` tokens."""
+    kc, vc = k_cache.double().clone(), v_cache.double().clone()
+    page_size, group = kc.shape[1], q.shape[2] // kc.shape[2]
+    out = torch.zeros(q.shape, dtype=torch.float64)
+    for b, n in enumerate(past.tolist()):
+        if n < 0:
+            continue
+        page = table[b, n // page_size]
+        kc[page, n % page_size], vc[page, n % page_size] = k[b, 0].double(), v[b, 0].double()
+        t = torch.arange(n + 1)
+        keys = kc[table[b, t // page_size].long(), t % page_size].repeat_interleave(group, 1)
+        values = vc[table[b, t // page_size].long(), t % page_size].repeat_interleave(group, 1)
+        s = torch.einsum("hd,nhd->hn", q[b, 0].double(), keys) * scale
+        if softcap:
+            s = softcap * torch.tanh(s / softcap)
+        if sinks is not None:
+            s = torch.cat([s, sinks.double()[:, None]], 1)
+        out[b, 0] = torch.einsum("hn,nhd->hd", torch.softmax(s, -1)[:, : n + 1], values)
+    return out, kc, vc
+
+
+SYSTEM = [("sys", 3)] * 6  # six rows under one 3-page prompt
+CASES = {
+    "one group": (4, [13, 15, 12, 19, 12, 17], SYSTEM),
+    "no sharing": (4, [5, 0, 9, 3], [(b, 0) for b in range(4)]),
+    "two levels": (4, [23, 21, 14, 25, 13],
+                   [("sys", 5), ("sys", 5), ("sys", 3), ("sys", 6), ("other", 3)]),
+    "run ends mid-page": (8, [21, 22, 20], [("sys", 2)] * 3),
+    "one request": (4, [10], [("sys", 2)]),
+    "page of 16": (16, [40, 35, 47, 33], [("a", 2), ("a", 2), ("b", 2), ("b", 2)]),
+}
+
+
+@pytest.mark.parametrize("triton", [True, False], ids=["triton", "torch"])
+@pytest.mark.parametrize("case", list(CASES))
+def test_matches_float64_oracle_and_writes_the_new_token(case, triton):
+    page_size, lens, shared = CASES[case]
+    step = _step(zlib.crc32(case.encode()) % 1000, page_size, lens, shared, pad_rows=1)
+    expected, kc, vc = _oracle(*step, scale=0.3)
+    q, k_cache, v_cache, k, v, table, past = _on(DEVICE if triton else "cpu", step)
+    run = paged.paged_relay_triton if triton else paged.paged_attention_torch
+    groups = grouping.share_groups(table, past, page_size, rows_per_tile=2) if triton else None
+    extra = dict(groups=groups, shared_splits=2, own_splits=2) if triton else {}
+    out = run(q, k_cache, v_cache, k, v, table, past, 0.3, 0.0, None, **extra)
+    torch.testing.assert_close(out.double().cpu(), expected, atol=2e-5, rtol=2e-5)
+    torch.testing.assert_close(k_cache.double().cpu(), kc, atol=0, rtol=0)
+    torch.testing.assert_close(v_cache.double().cpu(), vc, atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_half_precision_softcap_and_sinks(dtype):
+    step = _step(7, 4, [13, 14, 12, 18], [("sys", 3)] * 4, kv_heads=1, group=4, dtype=dtype)
+    sinks = torch.randn(4)
+    expected, _, _ = _oracle(*step, scale=0.25, softcap=5.0, sinks=sinks)
+    q, k_cache, v_cache, k, v, table, past = _on(DEVICE, step)
+    out = kernel.flash_attn_with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens=past, block_table=table,
+                                         softmax_scale=0.25, softcap=5.0, s_aux=sinks.to(DEVICE))
+    tol = 2e-2 if dtype == torch.bfloat16 else 4e-3
+    torch.testing.assert_close(out.double().cpu(), expected, atol=tol, rtol=tol)
+
+
+def test_groups_of_a_system_prompt_and_a_document():
+    # rows 0, 1, 3 share 5 pages (prompt + document), row 2 only the 3-page prompt, row 4 nothing
+    _, _, _, _, _, table, past = _step(3, 4, [23, 21, 14, 25, 13], CASES["two levels"][2])
+    groups = grouping.share_groups(table, past, 4, rows_per_tile=2)
+    assert groups.bounds.tolist() == [[3, 5, 5], [3, 5, 5], [3, 3, 3], [3, 5, 5], [0, 0, 0]]
+    live = groups.tiles[groups.tiles[:, 3] > 0].tolist()
+    # level 1: rows 0-3 under leader 0 (two tiles of two); level 2: rows 0, 1, 3 (two tiles)
+    assert sorted((t[0], t[1], t[3]) for t in live) == [(1, 0, 2), (1, 0, 2), (2, 0, 1), (2, 0, 2)]
+    assert groups.counts.tolist() == [2, 2]  # live tiles of each level, at the front of each half of the table
+
+
+def test_a_new_page_is_private_until_complete():
+    # rows share 2 complete pages; the tokens after them (same prompt text, pages not yet deduplicated) are private
+    _, _, _, _, _, table, past = _step(5, 8, [16, 16], [("sys", 2)] * 2)
+    assert grouping.share_groups(table, past, 8, rows_per_tile=4).bounds[:, 0].tolist() == [2, 2]
+    groups = grouping.share_groups(table, torch.tensor([15, 16], dtype=torch.int32), 8, rows_per_tile=4)
+    assert groups.bounds[:, 0].tolist() == [1, 1]  # row 0's second page is not complete before its write
+
+
+def test_rejects_what_it_does_not_implement():
+    q, k_cache, v_cache, k, v, table, past = _step(1, 4, [5], [("a", 0)])
+    with pytest.raises(ValueError, match="window_size"):
+        kernel.flash_attn_with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens=past, block_table=table,
+                                       window_size=(8, 8))
+    with pytest.raises(ValueError, match="paged cache"):
+        kernel.flash_attn_with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens=past)
+    with pytest.raises(ValueError, match="one query per request"):
+        kernel.flash_attn_with_kvcache(q.expand(1, 2, -1, -1), k_cache, v_cache, cache_seqlens=past,
+                                       block_table=table)
+
+
+def test_every_layer_of_a_step_reads_the_groups_the_first_derived():
+    # two layers' pages in one allocation, as transformers lays them out; steps change the table in place
+    page_size, lens = 4, [13, 14, 12, 9]
+    q, pages, _, k, v, table, past = _on(DEVICE, _step(11, page_size, lens, [("sys", 3)] * 3 + [("x", 2)], spare=3))
+    storage = torch.randn(4, *pages.shape, device=DEVICE)  # [layer 0 K, layer 0 V, layer 1 K, layer 1 V]
+    memo = paged._StepGroups()
+    for step in range(3):
+        if step == 2:  # a new mix of requests in the same buffers: row 3 now shares the prompt's pages
+            table[3, :3] = table[0, :3]
+            past[3] = 12
+        for layer in range(2):
+            kc, vc = storage[2 * layer], storage[2 * layer + 1]
+            expected, _, _ = _oracle(*_on("cpu", (q, kc, vc, k, v, table, past)), scale=0.5)
+            groups = memo.get(table, past, kc, page_size, rows_per_tile=2)
+            out = paged.paged_relay_triton(q, kc, vc, k, v, table, past, 0.5, 0.0, None, groups=groups)
+            torch.testing.assert_close(out.double().cpu(), expected, atol=2e-5, rtol=2e-5)
+            expect_shared = [3, 3, 3, 3 if step == 2 else 0]
+            assert groups.bounds[:, 0].tolist() == expect_shared
+        past = past + 1  # the next step: one more token per row, same table object
+
+
+def test_many_requests_under_two_prompts():
+    lens = [9 + (b * 7) % 13 for b in range(256)]
+    shared = [("a" if b % 3 else "b", 2) for b in range(256)]
+    step = _step(13, 4, lens, shared, kv_heads=1, group=2, dim=8)
+    expected, _, _ = _oracle(*step, scale=0.4)
+    step = _on(DEVICE, step)
+    groups = grouping.share_groups(step[5], step[6], 4, rows_per_tile=32)
+    assert sorted(set(groups.bounds[:, 0].tolist())) == [2]
+    out = paged.paged_relay_triton(*step, 0.4, 0.0, None, groups=groups, shared_splits=1, own_splits=1)
+    torch.testing.assert_close(out.double().cpu(), expected, atol=2e-5, rtol=2e-5)
+
+
+@pytest.mark.gpu
+def test_a_captured_step_replays_other_tables_and_groupings():
+    page_size = 16
+    first = _step(21, page_size, [40, 50, 45, 60], [("a", 2)] * 4, kv_heads=2, group=4, dim=64, spare=16)
+    q, kc, vc, k, v, table, past = _on("cuda", first)
+    out = paged.flash_attn_with_kvcache(q, kc, vc, k, v, cache_seqlens=past, block_table=table)  # warm, eager
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = paged.flash_attn_with_kvcache(q, kc, vc, k, v, cache_seqlens=past, block_table=table)
+    for seed, shared in ((22, [("a", 1), ("b", 2), ("b", 2), ("c", 0)]), (23, [("a", 3)] * 4)):
+        nxt = _step(seed, page_size, [40, 47, 35, 49], shared, kv_heads=2, group=4, dim=64, spare=16)
+        for dst, src in zip((q, kc, vc, k, v, table, past), nxt):
+            dst.copy_(src)
+        expected, _, _ = _oracle(*nxt, scale=64 ** -0.5)
+        graph.replay()
+        torch.testing.assert_close(out.double().cpu(), expected, atol=1e-4, rtol=1e-4)
+
+
+def test_more_live_tiles_than_programs_are_all_served():
+    # 12 prompts of two rows each, one row per tile: 24 live tiles for SHARED_PROGRAMS programs to loop over
+    lens = [9 + b % 3 for b in range(24)]
+    step = _step(17, 4, lens, [(b // 2, 2) for b in range(24)], kv_heads=1, group=2, dim=8)
+    expected, _, _ = _oracle(*step, scale=0.4)
+    step = _on(DEVICE, step)
+    groups = grouping.share_groups(step[5], step[6], 4, rows_per_tile=1)
+    assert groups.counts.tolist() == [24, 0] and 24 > paged.SHARED_PROGRAMS
+    out = paged.paged_relay_triton(*step, 0.4, 0.0, None, groups=groups, shared_splits=1, own_splits=1)
+    torch.testing.assert_close(out.double().cpu(), expected, atol=2e-5, rtol=2e-5)

@@ -42,7 +42,7 @@ from .attention import (
     set_stock_implementation,
     stock_implementation,
 )
-from .flash import KERNEL_ID, offer_kernel
+from .flash import KERNEL_ID, begin_step, forget_steps, offer_kernel, read_totals
 from .names import PAGED_NAMES, is_flash_name, is_paged_name, is_relay_name
 from .paged import paged_relay_attention, paged_step
 from .policy import continuous_route
@@ -138,6 +138,7 @@ class RelayContinuousBatching:
     def __init__(self, model):
         self.__self__ = model
         self._hook = None  # registered by the first manager relay serves (an unpickled model has no hooks yet)
+        self._step_hook = None  # the flash road's: each forward tells the kernel a step begins
         self.live = 0  # managers running under the relay name now
         self.stock_live = 0  # managers running stock continuous batching, the model switched to its own attention
         # one token's KV bytes over the full-attention layers (stats.full_layer_kv_bytes), taken as a relay manager
@@ -148,9 +149,11 @@ class RelayContinuousBatching:
         self._lock = threading.Lock()  # the counts, the switches and the release, one at a time
 
     def remove_hook(self) -> None:
-        if self._hook is not None:
-            self._hook.remove()
-            self._hook = None
+        for name in ("_hook", "_step_hook"):
+            hook = getattr(self, name)
+            if hook is not None:
+                hook.remove()
+                setattr(self, name, None)
 
     def release(self) -> None:
         """``unpatch``'s side: ``ValueError`` while a manager runs under relay's name (its cache and steps need relay
@@ -210,6 +213,10 @@ class RelayContinuousBatching:
         if not flash and self._hook is None:
             self._hook = model.register_forward_pre_hook(lay_out_step, with_kwargs=True)
         self.kv_token_bytes = full_layer_kv_bytes(model)
+        if not self.live and flash:  # the kernel counts on the device: stats follow its tally from here
+            _follow_kernel(model, self.kv_token_bytes)
+        if flash and self._step_hook is None:
+            self._step_hook = model.register_forward_pre_hook(begin_step)
         if not self.live and not flash:  # (the flash road's switch is _select_kernel's)
             for config in model_configs(model):
                 stock = stock_implementation(config)
@@ -229,10 +236,28 @@ class RelayContinuousBatching:
             if self._released or self.live or self.stock_live:
                 return
             model = self.__self__
+            if self._step_hook is not None:  # the last flash-road manager stopped: its caches and graphs are gone
+                relay_state(model).counters.settle(KERNEL_ID)
+                self._step_hook.remove()
+                self._step_hook = None
+                forget_steps()
             model.set_attn_implementation(self._relay or relay_name(relay_state(model).original_attn))
 
     def __reduce__(self):  # the hook travels with the model's own state: a copy gets a new one
         return RelayContinuousBatching, (self.__self__,)
+
+
+def _follow_kernel(model, token_bytes: int) -> None:
+    """``relay_hf.stats(model)`` adds what the flash kernel counts on the model's device from now on (until the last
+    manager stops): its steps, rows and shared tokens not read again, in KV bytes over the full-attention layers."""
+    device = model.device
+    since = read_totals(device)
+
+    def read() -> dict:
+        steps, rows, tokens = (now - then for now, then in zip(read_totals(device), since))
+        return {"relay_steps": steps, "relay_rows": rows, "kv_bytes_not_reread": tokens * token_bytes}
+
+    relay_state(model).counters.follow(KERNEL_ID, read)
 
 
 def _select_kernel(model) -> str | None:

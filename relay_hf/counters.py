@@ -29,7 +29,9 @@ class RelayStats:
             its key and value head dims, in the model's dtype) is counted: ``(readers - 1) * tokens`` in a
             full-attention layer; in a windowed layer less, and nothing once the rows' windows have moved past the
             segment. Continuous batching counts per forward step ``(readers - 1) * tokens`` of each shared run of
-            blocks over the full-attention layers (it runs stock for models with sliding-window layers).
+            blocks over the full-attention layers (it runs stock for models with sliding-window layers). On its
+            flash road the kernel counts on the device, per decode step, the shared tokens the requests would each
+            have read less those its tiles read, for all models of the process that run it.
         prefix_hits: calls (pipeline batches, ``generate`` calls) whose shared prefix came from the prefix store
             instead of a prefill.
         prefill_tokens_saved: prefix tokens those hits did not prefill again.
@@ -59,12 +61,31 @@ class Counters:
 
     _values: dict = field(default_factory=lambda: dict.fromkeys(_NAMES, 0))
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+    # amounts counted elsewhere while something runs (continuous batching's flash kernel counts on the device): key
+    # -> a function returning them as ``add`` takes them, read at every snapshot
+    _sources: dict = field(default_factory=dict, repr=False)
 
     def add(self, **amounts: int) -> None:
         with self._lock:
             for name, amount in amounts.items():
                 self._values[name] += int(amount)
 
+    def follow(self, key, read) -> None:
+        """Add what ``read()`` returns to every snapshot until ``settle(key)``."""
+        with self._lock:
+            self._sources[key] = read
+
+    def settle(self, key) -> None:
+        """Fold ``key``'s amounts in for good and stop following it."""
+        with self._lock:
+            read = self._sources.pop(key, None)
+        if read is not None:
+            self.add(**read())
+
     def snapshot(self) -> RelayStats:
         with self._lock:
-            return RelayStats(**self._values)
+            values, sources = dict(self._values), list(self._sources.values())
+        for read in sources:
+            for name, amount in read().items():
+                values[name] += int(amount)
+        return RelayStats(**values)

@@ -90,9 +90,13 @@ def check_reason(device: torch.device, dtype: torch.dtype, q_heads: int, kv_head
     tol = 1e-4 if dtype == torch.float32 else 3e-2
     try:
         outs = []
-        for run in (kernel.paged.paged_relay_triton, kernel.paged.paged_attention_torch):
+        table, past = table.to(device), past.to(device)
+        # groups made here, one row per tile (any tile size up to the kernel's serves): not the step memo's
+        groups = kernel.grouping.share_groups(table, past, page, rows_per_tile=1)
+        for run, extra in ((kernel.paged.paged_relay_triton, {"groups": groups}),
+                           (kernel.paged.paged_attention_torch, {})):
             kc, vc = caches[0].clone(), caches[1].clone()
-            outs.append(run(q, kc, vc, k, v, table.to(device), past.to(device), head_dim ** -0.5, 0.0, None))
+            outs.append(run(q, kc, vc, k, v, table, past, head_dim ** -0.5, 0.0, None, **extra))
         cu = torch.tensor([0, 5, 12], dtype=torch.int32, device=device)
         qs, ks = rand(12, q_heads, head_dim), rand(12, kv_heads, head_dim)
         packed = [kernel.varlen.varlen_attention(qs, ks, ks, cu, cu, 7, causal=True, use_triton=triton)
@@ -103,3 +107,21 @@ def check_reason(device: torch.device, dtype: torch.dtype, q_heads: int, kv_head
         if not torch.allclose(got.float(), want.float(), atol=tol, rtol=tol):
             return f"relay's flash kernel ({name}) differs from its PyTorch path on {device} ({dtype})"
     return None
+
+
+def read_totals(device: torch.device) -> tuple[int, int, int]:
+    """``(steps, rows, tokens)`` the kernel has counted on ``device`` in this process: steps in which requests read
+    shared pages once, the requests of those steps, and the shared tokens they did not read again (all models and
+    managers of the process together; the first call starts the count)."""
+    return load_kernel().paged.read_totals(device)
+
+
+def begin_step(model, args) -> None:
+    """Forward pre-hook of a model on the flash road: a step begins, so the kernel derives its shared pages again at
+    the step's first layer (in eager steps and in the forward a CUDA graph records alike)."""
+    load_kernel().paged.begin_step()
+
+
+def forget_steps() -> None:
+    """The kernel drops what it keeps of steps in flight (their caches and graphs are gone)."""
+    load_kernel().paged.forget_steps()

@@ -240,6 +240,8 @@ def flash_fit_reason(model, cb_config) -> str | None:
         return "the kernels package (at a version this transformers accepts) is not installed"
     if not getattr(model, "_supports_flash_attn", False):
         return f"{type(model).__name__} does not support flash attention implementations"
+    if len(set((getattr(model, "hf_device_map", None) or {}).values())) > 1:
+        return "the model is split over several devices (hf_device_map)"
     if getattr(cb_config, "max_blocks_per_request", None) == 0:
         return "the continuous batching config turns the decode fast path off (max_blocks_per_request=0)"
     text = model.config.get_text_config(decoder=True)

@@ -105,6 +105,16 @@ def _stream_until(manager, request_id, n, timeout=60.0):
             return out
 
 
+def finished(manager, n: int, skip=None, timeout: float = 120.0) -> dict:
+    """Request id -> generated tokens of the first ``n`` requests to finish (``skip``'s aside), bounded in time."""
+    got, deadline = {}, time.monotonic() + timeout
+    while len(got) < n and time.monotonic() < deadline:
+        out = manager.get_result(timeout=1)
+        if out is not None and out.is_finished() and out.request_id != skip:
+            got[out.request_id] = out.generated_tokens
+    return got
+
+
 def test_requests_added_while_others_decode_and_a_cancelled_one(llama):
     inputs = requests_under([(48, 4)], seed=4)
     gen = greedy(24)
@@ -119,12 +129,7 @@ def test_requests_added_while_others_decode_and_a_cancelled_one(llama):
         doomed = manager.add_request(inputs[3], request_id="doomed", max_new_tokens=200)
         manager.cancel_request(doomed)
         manager.add_request(inputs[3], request_id="r3")
-        got = {}
-        deadline = time.monotonic() + 120
-        while len(got) < 4 and time.monotonic() < deadline:
-            out = manager.get_result(timeout=1)
-            if out is not None and out.is_finished() and out.request_id != doomed:
-                got[out.request_id] = out.generated_tokens
+        got = finished(manager, 4, skip=doomed)
     finally:
         manager.stop(block=True, timeout=30)
     assert [got.get(f"r{i}") for i in range(4)] == want

@@ -10,7 +10,6 @@ are checked against a float64 oracle in tests/test_flash_kernel) except where a 
 from __future__ import annotations
 
 import functools
-import time
 
 import pytest
 import torch
@@ -18,8 +17,9 @@ import torch
 import relay_hf
 from relay_hf import _compat, policy
 from relay_hf.flash import KERNEL_ID, check_reason, load_kernel
+from relay_hf.stats import full_layer_kv_bytes
 from tests.helpers import tiny_model
-from tests.test_continuous import cb_config, greedy, requests_under, tokens
+from tests.test_continuous import cb_config, finished, greedy, requests_under, tokens
 
 pytestmark = pytest.mark.skipif(not (_compat.decode_fast_path_available() and _compat.kernels_available()),
                                 reason="this transformers has no decode fast path, or no kernels package it accepts")
@@ -83,14 +83,22 @@ def test_generate_batch_runs_the_flash_kernel_and_gives_stock_tokens(llama, kern
 def test_shared_pages_found_in_real_block_tables_are_read_once(llama, kernel, monkeypatch):
     # the kernel's Triton path (CPU interpreter) on the paged steps: the groups it derives from transformers' tables
     monkeypatch.setattr(kernel.paged, "triton_serves", lambda q: True)
+    derived = []
+    share_groups = kernel.grouping.share_groups
+    monkeypatch.setattr(kernel.grouping, "share_groups", lambda *a: derived.append(share_groups(*a)) or derived[-1])
     inputs = requests_under([(48, 4)], seed=5)
     gen = greedy(4)
     stock = tokens(llama.generate_batch(inputs, generation_config=gen, continuous_batching_config=cb_config()), 4)
     relay_hf.patch(llama, min_prefix_length=8)
     relay = tokens(llama.generate_batch(inputs, generation_config=gen, continuous_batching_config=cb_config()), 4)
-    shared = [entry[1].bounds[:, 0].tolist() for entry in kernel.paged._STEP_GROUPS._entries.values()]
+    shared = [groups.bounds[:, 0].tolist() for groups in derived]
     assert relay == stock
     assert shared and all(pages == 48 // 16 for step in shared for pages in step)  # 3 full pages of the prompt
+    seen = relay_hf.stats(llama)  # counted on the device by the kernel, folded in when the manager stopped
+    assert seen.relay_steps > 0 and seen.relay_rows >= 2 * seen.relay_steps
+    # per step, its requests share 3 pages that one tile reads: all but one request's reads of them not done again
+    per_request = 3 * 16 * full_layer_kv_bytes(llama)
+    assert seen.kv_bytes_not_reread == (seen.relay_rows - seen.relay_steps) * per_request
 
 
 def test_seeded_sampling_gives_stock_tokens(llama, kernel):
@@ -130,11 +138,7 @@ def test_requests_joining_and_a_cancelled_one_and_generate_meanwhile(llama, kern
                 llama.generate(torch.tensor(inputs[:1]), max_new_tokens=5, do_sample=False)
         manager.add_request(inputs[2], request_id="r2")
         manager.add_request(inputs[3], request_id="r3")
-        got, deadline = {}, time.monotonic() + 120
-        while len(got) < 4 and time.monotonic() < deadline:
-            out = manager.get_result(timeout=1)
-            if out is not None and out.is_finished() and out.request_id != doomed:
-                got[out.request_id] = out.generated_tokens
+        got = finished(manager, 4, skip=doomed)
         with pytest.raises(ValueError, match="stop it before relay_hf.unpatch"):
             relay_hf.unpatch(llama)
     finally:
@@ -213,11 +217,7 @@ def test_on_cuda_graphs_replay_while_requests_join_and_leave_with_stock_tokens()
         for i in range(3, 6):
             manager.add_request(inputs[i], request_id=f"r{i}")
         manager.cancel_request(doomed)
-        got, deadline = {}, time.monotonic() + 120
-        while len(got) < 6 and time.monotonic() < deadline:
-            out = manager.get_result(timeout=1)
-            if out is not None and out.is_finished() and out.request_id != doomed:
-                got[out.request_id] = out.generated_tokens
+        got = finished(manager, 6, skip=doomed)
     finally:
         manager.stop(block=True, timeout=30)
     assert [got.get(f"r{i}") for i in range(6)] == want

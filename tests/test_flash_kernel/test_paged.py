@@ -118,6 +118,10 @@ def test_groups_of_a_system_prompt_and_a_document():
     # level 1: rows 0-3 under leader 0 (two tiles of two); level 2: rows 0, 1, 3 (two tiles)
     assert sorted((t[0], t[1], t[3]) for t in live) == [(1, 0, 2), (1, 0, 2), (2, 0, 1), (2, 0, 2)]
     assert groups.counts.tolist() == [2, 2]  # live tiles of each level, at the front of each half of the table
+    # shared pages the rows would read (5 + 5 + 3 + 5) less those the 4 tiles read (3 + 3 + 2 + 2), in tokens
+    assert grouping.shared_reads(groups, past, 4).tolist() == [1, 5, (18 - 10) * 4]
+    alone = grouping.share_groups(table[:1], past[:1], 4, rows_per_tile=2)
+    assert grouping.shared_reads(alone, past[:1], 4).tolist() == [0, 0, 0]
 
 
 def test_a_new_page_is_private_until_complete():
@@ -201,3 +205,52 @@ def test_more_live_tiles_than_programs_are_all_served():
     assert groups.counts.tolist() == [24, 0] and 24 > paged.SHARED_PROGRAMS
     out = paged.paged_relay_triton(*step, 0.4, 0.0, None, groups=groups, shared_splits=1, own_splits=1)
     torch.testing.assert_close(out.double().cpu(), expected, atol=2e-5, rtol=2e-5)
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_random_groups_share_only_complete_identical_pages_and_cover_every_row(seed):
+    gen = torch.Generator().manual_seed(seed)
+    batch = int(torch.randint(1, 12, (1,), generator=gen))
+    lens = torch.randint(0, 40, (batch,), generator=gen).tolist()
+    keys = torch.randint(0, 3, (batch,), generator=gen).tolist()
+    shared = [(f"p{k}", int(torch.randint(0, 6, (1,), generator=gen))) for k in keys]
+    _, _, _, _, _, table, past = _step(seed, 4, lens, shared, pad_rows=int(seed % 3 == 0))
+    complete = torch.where(past >= 0, past // 4, 0)
+    groups = grouping.share_groups(table, past, 4, rows_per_tile=int(torch.randint(1, 4, (1,), generator=gen)))
+    bounds, members = groups.bounds.tolist(), groups.members.tolist()
+    seen = {1: [], 2: []}
+    for level, lead, first, count in groups.tiles.tolist():
+        if not count:
+            continue
+        hi = bounds[lead][level - 1]
+        assert hi > (bounds[lead][0] if level == 2 else 0)
+        for row in members[level - 1][first:first + count]:
+            seen[level].append(row)
+            assert complete[row] >= hi and complete[lead] >= hi and torch.equal(table[row, :hi], table[lead, :hi])
+            assert bounds[row][level - 1] == hi
+    assert sorted(seen[1]) == [r for r in range(len(bounds)) if bounds[r][0] > 0]
+    assert sorted(seen[2]) == [r for r in range(len(bounds)) if bounds[r][1] > bounds[r][0]]
+    assert all(b[2] == b[1] >= b[0] for b in bounds)
+    for a in range(len(bounds)):  # rows whose first complete page is the same page are one level-1 group
+        for b in range(len(bounds)):
+            if a != b and min(complete[a], complete[b]) >= 1 and table[a, 0] == table[b, 0]:
+                assert bounds[a][0] > 0 and bounds[a][0] == bounds[b][0]
+
+
+def test_a_new_step_is_recognised_by_begin_step_a_refilled_table_or_the_first_layer():
+    _, pages, _, _, _, table, past = _step(19, 4, [13, 14, 12], [("sys", 3)] * 3)
+    half = pages.shape[0] // 2
+    layer0, layer1 = pages[:half], pages[half:2 * half]  # two layers' page views of one allocation
+    memo = paged._StepGroups()
+    first = memo.get(table, past, layer0, 4, 2)
+    assert memo.get(table, past, layer1, 4, 2) is first  # a later layer of the step reads them
+    again = memo.get(table, past, layer0, 4, 2)
+    assert again is not first  # the first layer comes again: a new step
+    assert memo.get(table, past, layer1, 4, 2) is again
+    memo.begin_step()  # a forward begins: whichever layer comes first derives them
+    marked = memo.get(table, past, layer1, 4, 2)
+    assert marked is not again and memo.get(table, past, layer0, 4, 2) is marked
+    table[0, 0] = table[0, 0]  # transformers refills the table in place for a new step
+    assert memo.get(table, past, layer0, 4, 2) is not marked
+    memo.forget()
+    assert not memo._entries

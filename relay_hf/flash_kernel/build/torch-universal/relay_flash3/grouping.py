@@ -42,13 +42,14 @@ class Groups(NamedTuple):
     bounds: torch.Tensor  # [B, 3] int32 (level-1 end, level-2 end, own start), pages
 
 
-def common_pages(block_table: torch.Tensor, complete: torch.Tensor) -> torch.Tensor:
-    """``[B, B]`` int64: how many leading pages rows ``a`` and ``b`` share (identical ids, complete in both)."""
-    columns = torch.arange(block_table.shape[1], device=block_table.device)
-    limit = torch.minimum(complete[:, None], complete[None, :])  # [B, B]
-    differs = (block_table[:, None, :] != block_table[None, :, :]) | (columns >= limit[..., None])  # [B, B, M]
+def pages_shared_with(table: torch.Tensor, complete: torch.Tensor, other: torch.Tensor) -> torch.Tensor:
+    """``[B]`` int64: how many leading pages row ``b`` shares with row ``other[b]`` (identical ids, complete in
+    both). ``[B, M]`` work: each row is compared with one row only."""
+    columns = torch.arange(table.shape[1], device=table.device)
+    limit = torch.minimum(complete, complete[other])
+    differs = (table != table[other]) | (columns >= limit[:, None])  # [B, M]
     # the first differing column (M where none differs) is the length of the shared run
-    return torch.where(differs, columns, block_table.shape[1]).amin(-1)
+    return torch.where(differs, columns, table.shape[1]).amin(-1)
 
 
 def _leaders(candidate: torch.Tensor) -> torch.Tensor:
@@ -86,17 +87,23 @@ def _tiles(level: int, leader: torch.Tensor, size: torch.Tensor, pages: torch.Te
 
 
 def share_groups(block_table: torch.Tensor, past: torch.Tensor, page_size: int, rows_per_tile: int) -> Groups:
-    """The step's groups (module docstring), from ``block_table [B, M]`` and ``past [B]`` tokens already cached."""
+    """The step's groups (module docstring), from ``block_table [B, M]`` and ``past [B]`` tokens already cached.
+
+    Sharing a run of leading pages is transitive (the ids are identical), so a level's groups are rows with the same
+    page at one column: column 0 for level 1, the column after the group's prefix for level 2. ``[B, B]`` and
+    ``[B, M]`` work, nothing of ``[B, B, M]``."""
     table = block_table.to(torch.int64)
     complete = torch.where(past >= 0, past.to(torch.int64) // page_size, 0)  # pages complete before this step
-    run = common_pages(table, complete)  # [B, B]
     rows = torch.arange(table.shape[0], device=table.device)
-    leader1 = _leaders(run >= 1)
-    shared1, size1 = _group_min(leader1, run[leader1, rows])
+    alone = -1 - rows  # a key no other row has
+    key1 = torch.where(complete >= 1, table[:, 0], alone)
+    leader1 = _leaders(key1[:, None] == key1[None, :])
+    shared1, size1 = _group_min(leader1, pages_shared_with(table, complete, leader1))
     shared1 = torch.where(size1 >= 2, shared1, 0)
-    beyond = (leader1[:, None] == leader1[None, :]) & (run > shared1[None, :])
-    leader2 = _leaders(beyond)
-    shared2, size2 = _group_min(leader2, run[leader2, rows])
+    at = table.gather(1, shared1.clamp(max=table.shape[1] - 1)[:, None])[:, 0]  # the page after the prefix
+    key2 = torch.where(complete > shared1, at, alone)
+    leader2 = _leaders((leader1[:, None] == leader1[None, :]) & (key2[:, None] == key2[None, :]))
+    shared2, size2 = _group_min(leader2, pages_shared_with(table, complete, leader2))
     in2 = size2 >= 2
     shared2 = torch.where(in2, shared2, shared1)
     tiles1, members1, live1 = _tiles(1, leader1, size1, shared1, rows_per_tile)
@@ -105,3 +112,16 @@ def share_groups(block_table: torch.Tensor, past: torch.Tensor, page_size: int, 
     members = torch.stack([members1, members2]).to(torch.int32)
     bounds = torch.stack([shared1, shared2, shared2], 1).to(torch.int32)
     return Groups(tiles, torch.cat([live1, live2]).to(torch.int32), members, bounds)
+
+
+def shared_reads(groups: Groups, past: torch.Tensor, page_size: int) -> torch.Tensor:
+    """``[3]`` int64 on the device, for a process-wide tally: ``(1, rows, tokens)`` for a step in which some tile
+    read shared pages (rows: the step's requests; tokens: shared tokens the requests would each have read, less
+    those the tiles read), ``(0, 0, 0)`` otherwise. Static shapes, no synchronisation."""
+    tiles, bounds = groups.tiles.long(), groups.bounds.long()
+    level, lead, live = tiles[:, 0], tiles[:, 1], tiles[:, 3] > 0
+    pages = torch.where(level == 1, bounds[lead, 0], bounds[lead, 1] - bounds[lead, 0])
+    read = torch.where(live, pages, 0).sum()
+    shared = live.any().long()
+    rows = (past >= 0).sum()
+    return torch.stack([shared, shared * rows, (bounds[:, 2].sum() - read) * page_size])

@@ -18,6 +18,7 @@ of the step read them. Elsewhere a PyTorch path computes the same attention row 
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
 import os
@@ -52,33 +53,55 @@ def _pow2(n: int) -> int:
 
 
 class _StepGroups:
-    """The groups of the step in flight per block table, found again by every layer after the first.
+    """The groups of the step in flight per block table, derived by a step's first layer and read by the others.
 
-    The flash interface gives a layer no handle on its step, so the first layer's ``k_cache`` pointer marks the start
-    of a step: a call with that pointer derives the groups again, any other reads them (every layer of a step sees
-    the same block table and lengths). Entries are keyed by the block table's address, shape and strides and by the
-    cache's allocation and page layout (all layers' pages share one allocation in transformers 5.25; where each
-    layer has its own, every layer derives its groups). A few are kept: one per table in flight (async batching
-    doubles them)."""
+    The flash interface gives a layer no handle on its step, so a call derives the groups again when it may be the
+    first layer of a new step, and reads them otherwise (every layer of a step sees the same block table and
+    lengths). A new step is recognised by any of:
+
+    * ``begin_step()`` called since the groups were derived (relay_hf calls it as each forward of a patched model
+      starts, so also at the start of a forward captured as a CUDA graph, where the first layer's call is recorded
+      deriving them);
+    * the block table written in place since (its version counter: transformers refills it for every step);
+    * the call is the one that derived them last time (the first layer's ``k_cache`` pointer).
+
+    Deriving again is always correct; reading is correct within a step, and across steps whose block table is
+    unchanged (the same requests in the same rows: their shared pages stay complete and shared). Entries are keyed
+    by the block table's address, shape and strides and the cache's page layout; a few are kept (one per table in
+    flight: async batching doubles them)."""
 
     def __init__(self, size: int = 16):
         self._entries: OrderedDict = OrderedDict()
         self._size = size
         self._lock = threading.Lock()
+        self.epoch = 0  # begin_step's count
+
+    def begin_step(self) -> None:
+        with self._lock:
+            self.epoch += 1
+
+    def forget(self) -> None:
+        """Drop every entry (their tensors may live in a CUDA graph's memory pool)."""
+        with self._lock:
+            self._entries.clear()
 
     def get(self, block_table, past, k_cache, page_size: int, rows_per_tile: int) -> grouping.Groups:
         key = (block_table.device, block_table.data_ptr(), tuple(block_table.shape), tuple(block_table.stride()),
-               tuple(k_cache.shape), tuple(k_cache.stride()),
-               k_cache.untyped_storage().data_ptr(), rows_per_tile)
+               tuple(k_cache.shape), tuple(k_cache.stride()), page_size, rows_per_tile)
+        step = (self.epoch, block_table._version)
         with self._lock:
             entry = self._entries.get(key)
-            if entry is not None and entry[0] != k_cache.data_ptr():
+            if entry is not None and entry[1] == step and entry[0] != k_cache.data_ptr():
                 self._entries.move_to_end(key)
-                return entry[1]
+                return entry[2]
         groups = grouping.share_groups(block_table, past, page_size, rows_per_tile)
+        tally = _TALLY.get(block_table.device)
+        if tally is not None:  # a step seen: counted on the device (in a CUDA graph, at every replay)
+            tally.add_(grouping.shared_reads(groups, past, page_size))
         with self._lock:
-            first = entry[0] if entry is not None else k_cache.data_ptr()
-            self._entries[key] = (first, groups)
+            # the first layer of a new step marks itself; a repeat by the marked layer keeps the mark
+            first = entry[0] if entry is not None and entry[1] == step else k_cache.data_ptr()
+            self._entries[key] = (first, step, groups)
             self._entries.move_to_end(key)
             while len(self._entries) > self._size:
                 self._entries.popitem(last=False)
@@ -86,6 +109,30 @@ class _StepGroups:
 
 
 _STEP_GROUPS = _StepGroups()
+
+
+def begin_step() -> None:
+    """A forward (a step) begins: the next call per block table derives its groups (``_StepGroups``). Optional:
+    without it a step is recognised by its refilled block table."""
+    _STEP_GROUPS.begin_step()
+
+
+def forget_steps() -> None:
+    """Drop the groups kept for steps in flight (when the caches and graphs they belong to are gone)."""
+    _STEP_GROUPS.forget()
+
+
+_TALLY: dict = {}  # device -> [3] int64 shared_reads summed over the steps since read_totals first asked there
+
+
+def read_totals(device: torch.device) -> tuple[int, int, int]:
+    """``(steps, rows, tokens)``: what ``grouping.shared_reads`` summed on ``device`` over the steps since the first
+    call for that device (which starts the tally; counting costs one small addition per step). Synchronises."""
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    tally = _TALLY.setdefault(device, torch.zeros(3, dtype=torch.int64, device=device))
+    return tuple(int(x) for x in tally.tolist())
 
 
 @functools.cache
@@ -103,7 +150,16 @@ def _splits(device: torch.device, kv_heads: int, units: int) -> int:
 
 def paged_relay_triton(q, k_cache, v_cache, k, v, block_table, past, scale, softcap, s_aux, groups=None,
                        shared_splits=None, own_splits=None):
-    """The Triton path (module docstring); ``groups``/``*_splits`` override the derived ones (tests)."""
+    """The Triton path (module docstring). ``groups`` (made with ``rows_per_tile`` at most this function's) and
+    ``*_splits`` override the derived ones (tests, checks): such a call leaves the step memo and the tally alone."""
+    guard = torch.cuda.device(q.device) if q.is_cuda else contextlib.nullcontext()
+    with guard:  # Triton launches on the current device: make it q's (as flash-attn's own device guard does)
+        return _paged_relay_triton(q, k_cache, v_cache, k, v, block_table, past, scale, softcap, s_aux, groups,
+                                   shared_splits, own_splits)
+
+
+def _paged_relay_triton(q, k_cache, v_cache, k, v, block_table, past, scale, softcap, s_aux, groups, shared_splits,
+                        own_splits):
     batch, _, heads, dim = q.shape
     kv_heads, page_size = k_cache.shape[2], k_cache.shape[1]
     group = heads // kv_heads
@@ -119,14 +175,16 @@ def paged_relay_triton(q, k_cache, v_cache, k, v, block_table, past, scale, soft
     programs = min(batch, SHARED_PROGRAMS)
     s_shared = shared_splits or _splits(q.device, kv_heads, min(programs, max(1, batch // rows_per_tile)))
     s_own = own_splits or _splits(q.device, kv_heads, batch)
-    slots = _pow2(2 * s_shared + s_own)
+    slots = 2 * s_shared + s_own
     po = torch.empty(slots, batch, heads, dim, device=q.device, dtype=torch.float32)
     plse = torch.full((slots, batch, heads), float("-inf"), device=q.device, dtype=torch.float32)
     # log2-domain factor on q.k; with a softcap it is the tanh's argument scale * log2(e) / softcap instead
     scale_log2 = scale / math.log(2.0) / (softcap if softcap else 1.0)
     # fp32 products in fp32 (exact to the oracle); bf16 too on the CPU interpreter, whose bf16 products are wrong
     ieee = q.dtype == torch.float32 or (q.dtype == torch.bfloat16 and not q.is_cuda)
-    common = dict(BLOCK_N=BLOCK_N, BLOCK_D=block_d, SOFTCAP=bool(softcap), IEEE=ieee)
+    # wide heads: more warps share a tile's registers (head size 256 spills at 4; benchmarks/kernel.py)
+    common = dict(BLOCK_N=BLOCK_N, BLOCK_D=block_d, SOFTCAP=bool(softcap), IEEE=ieee,
+                  num_warps=8 if block_d >= 128 else 4)
     strides = (_st(q), k_cache.stride(), v_cache.stride(), po.stride(), plse.stride())
     paged_jit._shared_kernel[(programs, kv_heads, s_shared)](
         q, k_cache, v_cache, block_table, groups.tiles, groups.counts, groups.members, groups.bounds, po, plse,
@@ -138,8 +196,8 @@ def paged_relay_triton(q, k_cache, v_cache, k, v, block_table, past, scale, soft
     out = torch.empty_like(q)
     sinks = s_aux if s_aux is not None else plse
     paged_jit._merge_kernel[(batch, kv_heads)](po, plse, out, sinks, po.stride(), plse.stride(), _st(out), group, dim,
-                                               SLOTS=slots, BLOCK_G=max(2, _pow2(group)), BLOCK_D=block_d,
-                                               HAS_SINKS=s_aux is not None)
+                                               slots, BLOCK_S=_pow2(slots), BLOCK_G=max(2, _pow2(group)),
+                                               BLOCK_D=block_d, HAS_SINKS=s_aux is not None)
     return out
 
 
@@ -209,6 +267,13 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
                          f"k_cache {tuple(k_cache.shape)}")
     if not isinstance(cache_seqlens, torch.Tensor):
         cache_seqlens = torch.full((q.shape[0],), int(cache_seqlens), dtype=torch.int32, device=q.device)
+    rows = q.shape[0]
+    new_shape = (rows, 1, k_cache.shape[2], k_cache.shape[3])
+    if (block_table.dim() != 2 or block_table.shape[0] != rows or tuple(cache_seqlens.shape) != (rows,)
+            or (k is not None and (tuple(k.shape) != new_shape or tuple(v.shape) != new_shape))):
+        raise ValueError(f"relay-flash3: q {tuple(q.shape)} needs block_table [{rows}, M], cache_seqlens [{rows}] "
+                         f"and k, v {list(new_shape)}; got {tuple(block_table.shape)}, {tuple(cache_seqlens.shape)}, "
+                         f"{None if k is None else tuple(k.shape)}")
     scale = softmax_scale if softmax_scale is not None else q.shape[-1] ** -0.5
     softcap = float(softcap or 0.0)
     # the kernels step along a table row and the lengths by one element (transformers' tensors already are so)

@@ -159,30 +159,30 @@ def _own_kernel(Q, KC, VC, BT, SEQ, BOUNDS, PO, PLSE, q_st, kc_st, vc_st, po_st,
 
 
 @triton.jit
-def _merge_kernel(PO, PLSE, OUT, SINKS, po_st, plse_st, o_st, G, D, SLOTS: tl.constexpr, BLOCK_G: tl.constexpr,
-                  BLOCK_D: tl.constexpr, HAS_SINKS: tl.constexpr):
-    """``OUT [B, 1, H_q, D]`` (strides of b, h, d) of row ``b``, KV head ``h``: the ``SLOTS`` partials weighted by
+def _merge_kernel(PO, PLSE, OUT, SINKS, po_st, plse_st, o_st, G, D, slots, BLOCK_S: tl.constexpr,
+                  BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, HAS_SINKS: tl.constexpr):
+    """``OUT [B, 1, H_q, D]`` (strides of b, h, d) of row ``b``, KV head ``h``: the ``slots`` partials weighted by
     their LSE; ``SINKS [H_q]`` adds ``exp(sink)`` to the denominator (natural-log logits, not scaled). A row with
-    no key at all (padding) gets zeros."""
+    no key at all (padding) gets zeros. The slots are summed in a loop (unrolled, 24 of them spill registers)."""
     b, h = tl.program_id(0), tl.program_id(1)
     g = tl.arange(0, BLOCK_G)
     d = tl.arange(0, BLOCK_D)
     g_ok, d_ok = g < G, d < D
     heads = h * G + g
-    s = tl.arange(0, SLOTS)
+    s = tl.arange(0, BLOCK_S)
     lse = tl.load(PLSE + s[:, None] * plse_st[0] + b * plse_st[1] + heads[None, :] * plse_st[2],
-                  mask=g_ok[None, :], other=float("-inf"))  # [SLOTS, BLOCK_G]
+                  mask=(s[:, None] < slots) & g_ok[None, :], other=float("-inf"))  # [BLOCK_S, BLOCK_G]
     m = tl.max(lse, 0)
     if HAS_SINKS:
         sink = tl.load(SINKS + heads, mask=g_ok, other=float("-inf")).to(tl.float32)
         m = tl.maximum(m, sink)
     m_safe = tl.where(m == float("-inf"), 0.0, m)
-    w = tl.exp2((lse - m_safe[None, :]) * _LOG2E)  # [SLOTS, BLOCK_G]
+    w = tl.exp2((lse - m_safe[None, :]) * _LOG2E)  # [BLOCK_S, BLOCK_G]
     den = tl.sum(w, 0)
     if HAS_SINKS:
         den += tl.exp2((sink - m_safe) * _LOG2E)
     acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
-    for k in tl.static_range(SLOTS):
+    for k in range(slots):
         wk = tl.sum(tl.where(s[:, None] == k, w, 0.0), 0)  # [BLOCK_G]
         part = tl.load(PO + k * po_st[0] + b * po_st[1] + heads[:, None] * po_st[2] + d[None, :] * po_st[3],
                        mask=g_ok[:, None] & d_ok[None, :] & (wk[:, None] > 0.0), other=0.0)

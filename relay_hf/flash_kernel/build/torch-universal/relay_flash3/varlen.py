@@ -26,6 +26,7 @@ that enters it (``s_aux``) is natural-log.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 
@@ -239,8 +240,10 @@ def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=None, *, 
     scale = float(q.shape[2] ** -0.5 if softmax_scale is None else softmax_scale)
     softcap = float(softcap or 0.0)
     if use_triton if use_triton is not None else triton_serves(q):
-        return _triton_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, scale, causal, softcap, s_aux,
-                               tiles)
+        # Triton launches on the current device: make it q's (as flash-attn's own device guard does)
+        with torch.cuda.device(q.device) if q.is_cuda else contextlib.nullcontext():
+            return _triton_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, scale, causal, softcap, s_aux,
+                                   tiles)
     return _torch_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, scale, causal, softcap, s_aux)
 
 

@@ -90,7 +90,7 @@ def test_matches_float64_oracle_and_writes_the_new_token(case, triton):
     q, k_cache, v_cache, k, v, table, past = _on(DEVICE if triton else "cpu", step)
     run = paged.paged_relay_triton if triton else paged.paged_attention_torch
     groups = grouping.share_groups(table, past, page_size, rows_per_tile=2) if triton else None
-    extra = dict(groups=groups, shared_splits=2, own_splits=2) if triton else {}
+    extra = dict(groups=groups, prefix_splits=2, suffix_splits=2) if triton else {}
     out = run(q, k_cache, v_cache, k, v, table, past, 0.3, 0.0, None, **extra)
     torch.testing.assert_close(out.double().cpu(), expected, atol=2e-5, rtol=2e-5)
     torch.testing.assert_close(k_cache.double().cpu(), kc, atol=0, rtol=0)
@@ -119,9 +119,9 @@ def test_groups_of_a_system_prompt_and_a_document():
     assert sorted((t[0], t[1], t[3]) for t in live) == [(1, 0, 2), (1, 0, 2), (2, 0, 1), (2, 0, 2)]
     assert groups.counts.tolist() == [2, 2]  # live tiles of each level, at the front of each half of the table
     # shared pages the rows would read (5 + 5 + 3 + 5) less those the 4 tiles read (3 + 3 + 2 + 2), in tokens
-    assert grouping.shared_reads(groups, past, 4).tolist() == [1, 5, (18 - 10) * 4]
+    assert grouping.prefix_reads(groups, past, 4).tolist() == [1, 5, (18 - 10) * 4]
     alone = grouping.share_groups(table[:1], past[:1], 4, rows_per_tile=2)
-    assert grouping.shared_reads(alone, past[:1], 4).tolist() == [0, 0, 0]
+    assert grouping.prefix_reads(alone, past[:1], 4).tolist() == [0, 0, 0]
 
 
 def test_a_new_page_is_private_until_complete():
@@ -173,7 +173,7 @@ def test_many_requests_under_two_prompts():
     step = _on(DEVICE, step)
     groups = grouping.share_groups(step[5], step[6], 4, rows_per_tile=32)
     assert sorted(set(groups.bounds[:, 0].tolist())) == [2]
-    out = paged.paged_relay_triton(*step, 0.4, 0.0, None, groups=groups, shared_splits=1, own_splits=1)
+    out = paged.paged_relay_triton(*step, 0.4, 0.0, None, groups=groups, prefix_splits=1, suffix_splits=1)
     torch.testing.assert_close(out.double().cpu(), expected, atol=2e-5, rtol=2e-5)
 
 
@@ -196,14 +196,14 @@ def test_a_captured_step_replays_other_tables_and_groupings():
 
 
 def test_more_live_tiles_than_programs_are_all_served():
-    # 12 prompts of two rows each, one row per tile: 24 live tiles for SHARED_PROGRAMS programs to loop over
+    # 12 prompts of two rows each, one row per tile: 24 live tiles for PREFIX_PROGRAMS programs to loop over
     lens = [9 + b % 3 for b in range(24)]
     step = _step(17, 4, lens, [(b // 2, 2) for b in range(24)], kv_heads=1, group=2, dim=8)
     expected, _, _ = _oracle(*step, scale=0.4)
     step = _on(DEVICE, step)
     groups = grouping.share_groups(step[5], step[6], 4, rows_per_tile=1)
-    assert groups.counts.tolist() == [24, 0] and 24 > paged.SHARED_PROGRAMS
-    out = paged.paged_relay_triton(*step, 0.4, 0.0, None, groups=groups, shared_splits=1, own_splits=1)
+    assert groups.counts.tolist() == [24, 0] and 24 > paged.PREFIX_PROGRAMS
+    out = paged.paged_relay_triton(*step, 0.4, 0.0, None, groups=groups, prefix_splits=1, suffix_splits=1)
     torch.testing.assert_close(out.double().cpu(), expected, atol=2e-5, rtol=2e-5)
 
 

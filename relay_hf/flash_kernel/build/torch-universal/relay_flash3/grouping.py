@@ -13,7 +13,7 @@ Two levels (a system prompt shared by a group, then a document shared by part of
   subgroup the same way; its prefix is the pages after the level-1 prefix that every member shares with its leader.
 
 A page counts only if it was complete before this step's write (a shared page is never partly filled; the page the
-new token goes to is private). Groups of one row get no shared part: the row reads all of its pages on its own.
+new token goes to is private). Groups of one row get no shared prefix: the row reads all of its pages as its suffix.
 
 Tensors (all int32 unless said otherwise; ``B`` rows of the step, ``M`` block-table columns):
 
@@ -25,7 +25,7 @@ Tensors (all int32 unless said otherwise; ``B`` rows of the step, ``M`` block-ta
 * ``Groups.counts [2]``: the live tiles of each level;
 * ``Groups.members [2, B]``: per level, the rows ordered by their leader (a group's members are consecutive);
 * ``Groups.bounds [B, 3]``: per row, in pages, the end of its level-1 prefix, the end of its level-2 prefix, and
-  where its own part starts (``0`` when the row is in no group of two or more).
+  where its suffix starts (``0`` when the row is in no group of two or more).
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ class Groups(NamedTuple):
     tiles: torch.Tensor  # [2 * B, 4] int32 (level, leader, first, count)
     counts: torch.Tensor  # [2] int32 live tiles of level 1 (rows 0..) and level 2 (rows B..)
     members: torch.Tensor  # [2, B] int32
-    bounds: torch.Tensor  # [B, 3] int32 (level-1 end, level-2 end, own start), pages
+    bounds: torch.Tensor  # [B, 3] int32 (level-1 end, level-2 end, suffix start), pages
 
 
 def pages_shared_with(table: torch.Tensor, complete: torch.Tensor, other: torch.Tensor) -> torch.Tensor:
@@ -114,7 +114,7 @@ def share_groups(block_table: torch.Tensor, past: torch.Tensor, page_size: int, 
     return Groups(tiles, torch.cat([live1, live2]).to(torch.int32), members, bounds)
 
 
-def shared_reads(groups: Groups, past: torch.Tensor, page_size: int) -> torch.Tensor:
+def prefix_reads(groups: Groups, past: torch.Tensor, page_size: int) -> torch.Tensor:
     """``[3]`` int64 on the device, for a process-wide tally: ``(1, rows, tokens)`` for a step in which some tile
     read shared pages (rows: the step's requests; tokens: shared tokens the requests would each have read, less
     those the tiles read), ``(0, 0, 0)`` otherwise. Static shapes, no synchronisation."""

@@ -11,7 +11,7 @@ Tensors (``B`` requests of the step, ``P`` pages of ``page_size`` tokens, ``M`` 
 * ``s_aux [H_q]`` optional attention-sink logits (natural log, not scaled).
 
 On CUDA (or under ``TRITON_INTERPRET=1``) the step runs as ``grouping.share_groups`` plus four launches (write,
-shared partials, own partials, merge) with static shapes: it can be captured in a CUDA graph. The groups are
+prefix partials, suffix partials, merge) with static shapes: it can be captured in a CUDA graph. The groups are
 derived once per step: by the first layer, recognised by its ``k_cache`` pointer (``_StepGroups``); the other layers
 of the step read them. Elsewhere a PyTorch path computes the same attention row by row.
 """
@@ -34,12 +34,12 @@ try:
 except ImportError:  # pragma: no cover
     paged_jit = None
 
-# Tile configs: query rows of one shared tile (members x GQA group), keys per inner step; splits fill the GPU when a
-# step has few groups. A shared tile reads its pages once for all of its members.
-BLOCK_M_SHARED = 64
+# Tile configs: query rows of one prefix tile (members x GQA group), keys per inner step; splits fill the GPU when a
+# step has few groups. A prefix tile reads its shared pages once for all of its members.
+BLOCK_M_PREFIX = 64
 BLOCK_N = 32
 MAX_SPLITS = 8
-SHARED_PROGRAMS = 16  # programs per KV head and split looping over a step's live shared tiles (one group: 1-8)
+PREFIX_PROGRAMS = 16  # programs per KV head and split looping over a step's live prefix tiles (one group: 1-8)
 CPU_SM_COUNT = 4  # the interpreter: few splits
 
 
@@ -97,7 +97,7 @@ class _StepGroups:
         groups = grouping.share_groups(block_table, past, page_size, rows_per_tile)
         tally = _TALLY.get(block_table.device)
         if tally is not None:  # a step seen: counted on the device (in a CUDA graph, at every replay)
-            tally.add_(grouping.shared_reads(groups, past, page_size))
+            tally.add_(grouping.prefix_reads(groups, past, page_size))
         with self._lock:
             # the first layer of a new step marks itself; a repeat by the marked layer keeps the mark
             first = entry[0] if entry is not None and entry[1] == step else k_cache.data_ptr()
@@ -122,11 +122,11 @@ def forget_steps() -> None:
     _STEP_GROUPS.forget()
 
 
-_TALLY: dict = {}  # device -> [3] int64 shared_reads summed over the steps since read_totals first asked there
+_TALLY: dict = {}  # device -> [3] int64 prefix_reads summed over the steps since read_totals first asked there
 
 
 def read_totals(device: torch.device) -> tuple[int, int, int]:
-    """``(steps, rows, tokens)``: what ``grouping.shared_reads`` summed on ``device`` over the steps since the first
+    """``(steps, rows, tokens)``: what ``grouping.prefix_reads`` summed on ``device`` over the steps since the first
     call for that device (which starts the tally; counting costs one small addition per step). Synchronises."""
     device = torch.device(device)
     if device.type == "cuda" and device.index is None:
@@ -149,21 +149,21 @@ def _splits(device: torch.device, kv_heads: int, units: int) -> int:
 
 
 def paged_relay_triton(q, k_cache, v_cache, k, v, block_table, past, scale, softcap, s_aux, groups=None,
-                       shared_splits=None, own_splits=None):
+                       prefix_splits=None, suffix_splits=None):
     """The Triton path (module docstring). ``groups`` (made with ``rows_per_tile`` at most this function's) and
     ``*_splits`` override the derived ones (tests, checks): such a call leaves the step memo and the tally alone."""
     guard = torch.cuda.device(q.device) if q.is_cuda else contextlib.nullcontext()
     with guard:  # Triton launches on the current device: make it q's (as flash-attn's own device guard does)
         return _paged_relay_triton(q, k_cache, v_cache, k, v, block_table, past, scale, softcap, s_aux, groups,
-                                   shared_splits, own_splits)
+                                   prefix_splits, suffix_splits)
 
 
-def _paged_relay_triton(q, k_cache, v_cache, k, v, block_table, past, scale, softcap, s_aux, groups, shared_splits,
-                        own_splits):
+def _paged_relay_triton(q, k_cache, v_cache, k, v, block_table, past, scale, softcap, s_aux, groups, prefix_splits,
+                        suffix_splits):
     batch, _, heads, dim = q.shape
     kv_heads, page_size = k_cache.shape[2], k_cache.shape[1]
     group = heads // kv_heads
-    rows_per_tile = max(1, BLOCK_M_SHARED // _pow2(group))
+    rows_per_tile = max(1, BLOCK_M_PREFIX // _pow2(group))
     block_d = max(16, _pow2(dim))
     if k is not None:
         paged_jit._write_kernel[(batch, kv_heads)](k, v, k_cache, v_cache, block_table, past, _st(k), _st(v),
@@ -172,10 +172,10 @@ def _paged_relay_triton(q, k_cache, v_cache, k, v, block_table, past, scale, sof
     seq = torch.where(past >= 0, past + (1 if k is not None else 0), 0).to(torch.int32)  # tokens attended
     if groups is None:
         groups = _STEP_GROUPS.get(block_table, past, k_cache, page_size, rows_per_tile)
-    programs = min(batch, SHARED_PROGRAMS)
-    s_shared = shared_splits or _splits(q.device, kv_heads, min(programs, max(1, batch // rows_per_tile)))
-    s_own = own_splits or _splits(q.device, kv_heads, batch)
-    slots = 2 * s_shared + s_own
+    programs = min(batch, PREFIX_PROGRAMS)
+    s_prefix = prefix_splits or _splits(q.device, kv_heads, min(programs, max(1, batch // rows_per_tile)))
+    s_suffix = suffix_splits or _splits(q.device, kv_heads, batch)
+    slots = 2 * s_prefix + s_suffix
     po = torch.empty(slots, batch, heads, dim, device=q.device, dtype=torch.float32)
     plse = torch.full((slots, batch, heads), float("-inf"), device=q.device, dtype=torch.float32)
     # log2-domain factor on q.k; with a softcap it is the tanh's argument scale * log2(e) / softcap instead
@@ -186,13 +186,13 @@ def _paged_relay_triton(q, k_cache, v_cache, k, v, block_table, past, scale, sof
     common = dict(BLOCK_N=BLOCK_N, BLOCK_D=block_d, SOFTCAP=bool(softcap), IEEE=ieee,
                   num_warps=8 if block_d >= 128 else 4)
     strides = (_st(q), k_cache.stride(), v_cache.stride(), po.stride(), plse.stride())
-    paged_jit._shared_kernel[(programs, kv_heads, s_shared)](
+    paged_jit._prefix_kernel[(programs, kv_heads, s_prefix)](
         q, k_cache, v_cache, block_table, groups.tiles, groups.counts, groups.members, groups.bounds, po, plse,
         *strides, batch, block_table.stride(0), page_size, group, dim, scale_log2, float(softcap), PROGRAMS=programs,
-        ROWS_PER_TILE=rows_per_tile, BLOCK_M=max(16, _pow2(rows_per_tile * group)), SPLITS=s_shared, **common)
-    paged_jit._own_kernel[(batch, kv_heads, s_own)](
+        ROWS_PER_TILE=rows_per_tile, BLOCK_M=max(16, _pow2(rows_per_tile * group)), SPLITS=s_prefix, **common)
+    paged_jit._suffix_kernel[(batch, kv_heads, s_suffix)](
         q, k_cache, v_cache, block_table, seq, groups.bounds, po, plse, *strides, block_table.stride(0), page_size,
-        group, dim, scale_log2, float(softcap), 2 * s_shared, BLOCK_M=max(16, _pow2(group)), SPLITS=s_own, **common)
+        group, dim, scale_log2, float(softcap), 2 * s_prefix, BLOCK_M=max(16, _pow2(group)), SPLITS=s_suffix, **common)
     out = torch.empty_like(q)
     sinks = s_aux if s_aux is not None else plse
     paged_jit._merge_kernel[(batch, kv_heads)](po, plse, out, sinks, po.stride(), plse.stride(), _st(out), group, dim,

@@ -1,15 +1,15 @@
 """The Triton kernels of the paged relay decode step (``paged.py`` launches them).
 
 1. ``_write_kernel`` — grid ``(B, H_kv)``: the step's new K/V of a row into its page (padding rows write nothing).
-2. ``_shared_kernel`` — grid ``(programs, H_kv, splits)``: shared units. A unit is one tile of up to
+2. ``_prefix_kernel`` — grid ``(programs, H_kv, splits)``: prefix units. A unit is one tile of up to
    ``rows_per_tile`` members of a group (``grouping.Groups.tiles``) with the GQA group of one KV head, folded into
    ``BLOCK_M`` query rows, streaming one split of the group's shared pages through the leader's block-table row:
    those pages come from HBM once for the whole tile. A program loops over the step's live tiles.
-3. ``_own_kernel`` — grid ``(B, H_kv, splits)``: own units, one row's GQA group against one split of its own pages
-   (everything after its shared prefix, the new token included).
+3. ``_suffix_kernel`` — grid ``(B, H_kv, splits)``: suffix units, one row's GQA group against one split of its
+   suffix: its pages after the shared prefix, the new token included.
 
    Every unit writes a normalised fp32 partial output and its natural-log fp32 LSE into its slot (``PO``/``PLSE``):
-   level-1 split ``s`` -> slot ``s``, level-2 -> ``splits + s``, own split ``t`` -> ``2 * splits + t``.
+   level-1 split ``s`` -> slot ``s``, level-2 -> ``splits + s``, suffix split ``t`` -> ``2 * splits + t``.
 4. ``_merge_kernel`` — grid ``(B, H_kv)``: weights the slots of a row by their LSE (plus an attention sink) and writes
    the output in the query's dtype.
 
@@ -119,11 +119,11 @@ def _unit(Q, KC, VC, PO, PLSE, rows, row_ok, lo, hi, bt_row, slot, h, split, q_s
 
 
 @triton.jit
-def _shared_kernel(Q, KC, VC, BT, TILES, COUNTS, MEMBERS, BOUNDS, PO, PLSE, q_st, kc_st, vc_st, po_st, plse_st,
+def _prefix_kernel(Q, KC, VC, BT, TILES, COUNTS, MEMBERS, BOUNDS, PO, PLSE, q_st, kc_st, vc_st, po_st, plse_st,
                    n_rows, bt_b, page_size, G, D, scale_log2, softcap, PROGRAMS: tl.constexpr,
                    ROWS_PER_TILE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
                    SPLITS: tl.constexpr, SOFTCAP: tl.constexpr, IEEE: tl.constexpr):
-    """Shared units: program ``p`` takes tiles ``p, p + PROGRAMS, ...`` of the step's live tiles (``COUNTS``: how
+    """Prefix units: program ``p`` takes tiles ``p, p + PROGRAMS, ...`` of the step's live tiles (``COUNTS``: how
     many of each level; level 1's sit at the front of ``TILES``, level 2's from row ``n_rows`` on). Looping over
     the live tiles keeps the grid small whatever the groups (their number is known on the device only)."""
     p, h, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
@@ -146,10 +146,10 @@ def _shared_kernel(Q, KC, VC, BT, TILES, COUNTS, MEMBERS, BOUNDS, PO, PLSE, q_st
 
 
 @triton.jit
-def _own_kernel(Q, KC, VC, BT, SEQ, BOUNDS, PO, PLSE, q_st, kc_st, vc_st, po_st, plse_st, bt_b, page_size, G, D,
+def _suffix_kernel(Q, KC, VC, BT, SEQ, BOUNDS, PO, PLSE, q_st, kc_st, vc_st, po_st, plse_st, bt_b, page_size, G, D,
                 scale_log2, softcap, slot0, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
                 SPLITS: tl.constexpr, SOFTCAP: tl.constexpr, IEEE: tl.constexpr):
-    """Own units: row ``b``'s tokens after its shared prefix (``BOUNDS[b, 2]`` pages) up to ``SEQ[b]``."""
+    """Suffix units: row ``b``'s tokens after its shared prefix (``BOUNDS[b, 2]`` pages) up to ``SEQ[b]``."""
     b, h, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i = tl.arange(0, BLOCK_M)
     lo = tl.load(BOUNDS + b * 3 + 2) * page_size

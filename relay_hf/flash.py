@@ -29,8 +29,10 @@ VARIANT_DIR = KERNEL_DIR / "build" / "torch-universal"
 _OWN_NAME = "relay_hf._relay_flash3"  # relay_hf's copy, when the kernels package has not loaded the kernel
 
 
+@cache
 def kernel_metadata() -> dict:
-    """The kernel's ``metadata.json`` (id, name, version, license, backend)."""
+    """The kernel's ``metadata.json`` (id, name, version, license, backend), read once: ``load_kernel`` asks for its
+    id on every call, and the flash road calls it at every forward (``begin_step``)."""
     return json.loads((VARIANT_DIR / "metadata.json").read_text())
 
 

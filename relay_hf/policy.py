@@ -44,6 +44,7 @@ from .prefix import Grouping, PrefixTree, common_prefix_length, find_groups, lef
 from .rope import rope_reason
 from .sampling import LoopProcessors, loop_processors
 from .state import relay_state
+from .stats import head_shape
 from .step import DEFAULT_DECODE
 
 # rows * prefix tokens below which the CUDA relay kernel is not measured to beat SDPA over the expanded prefix
@@ -244,10 +245,7 @@ def flash_fit_reason(model, cb_config) -> str | None:
         return "the model is split over several devices (hf_device_map)"
     if getattr(cb_config, "max_blocks_per_request", None) == 0:
         return "the continuous batching config turns the decode fast path off (max_blocks_per_request=0)"
-    text = model.config.get_text_config(decoder=True)
-    heads = text.num_attention_heads
-    kv_heads = getattr(text, "num_key_value_heads", None) or heads
-    head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
+    heads, kv_heads, head_dim, _ = head_shape(model.config.get_text_config(decoder=True))
     if head_dim > 256 or heads % kv_heads or model.dtype not in (torch.float16, torch.bfloat16, torch.float32):
         return f"relay's flash kernel serves head sizes up to 256 in fp16, bf16 or fp32 (head size {head_dim}, " \
                f"{model.dtype})"

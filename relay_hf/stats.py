@@ -15,6 +15,14 @@ from .counters import RelayStats
 from .state import relay_state
 
 
+def head_shape(text) -> tuple[int, int, int, int]:
+    """``(query heads, KV heads, key head dim, value head dim)`` a text config declares (the same for every layer)."""
+    heads = getattr(text, "num_attention_heads", 1)
+    kv_heads = getattr(text, "num_key_value_heads", None) or heads
+    head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
+    return heads, kv_heads, head_dim, getattr(text, "v_head_dim", None) or head_dim
+
+
 def layer_kv_bytes(model) -> list[int]:
     """Per decoder layer (``[num_hidden_layers]`` of the text config), the bytes of one token's keys and values in
     the model's dtype: from the layer's attention module (the one whose ``layer_idx`` names the layer) and its key
@@ -31,10 +39,7 @@ def layer_kv_bytes(model) -> list[int]:
             found.setdefault(index, []).append((k.out_features + v.out_features) * itemsize)
     if all(len(found.get(i, ())) == 1 for i in range(layers)):
         return [found[i][0] for i in range(layers)]
-    heads = getattr(text, "num_attention_heads", 1)
-    kv_heads = getattr(text, "num_key_value_heads", None) or heads
-    head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
-    value_dim = getattr(text, "v_head_dim", None) or head_dim
+    _, kv_heads, head_dim, value_dim = head_shape(text)
     return [kv_heads * (head_dim + value_dim) * itemsize] * layers
 
 

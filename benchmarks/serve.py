@@ -206,6 +206,8 @@ def main(argv=None) -> None:
                            args)
         wall, lat = offline(model, mode, inputs, N, args)
         used = _relay_used(model, mode)
+        if relay_hf.is_patched(model):
+            say(f"{mode}: road {getattr(model, 'relay_continuous_road', None)}")
         extra = {"arrival": "offline persistent" if args.persistent else "offline", "relay_used": used}
         rows += _rows(mode, {"throughput": ("tok/s", R * N / wall), "wall": ("s", wall), "first_call": ("s", first),
                              "ttft_p50": ("s", _percentile(lat["ttft"], 50)),

@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from benchmarks import common, generate, kernel, plot
+from benchmarks import common, generate, kernel, paged, plot
 
 
 @pytest.fixture
@@ -53,6 +53,33 @@ def test_kernel_cpu_smoke_run_appends_exact_relay_rows(tmp_path, one_thread):
         assert got[(B, "relay", "bandwidth")] > 0
         assert got[(B, "relay", "relerr")] < 1e-5
     assert all(r["commit"] and r["torch"] and r["timestamp"] and r["device"].startswith("cpu") for r in rows)
+
+
+def test_paged_cpu_smoke_run_times_every_provider_and_the_kernel_is_exact(tmp_path, one_thread):
+    """The paged kernel benchmark on tiny shapes (Triton's interpreter): rows in the kernel schema, a time for the
+    shared, first-layer and unshared calls, and the kernel equal to its PyTorch path."""
+    path = tmp_path / "kernel.csv"
+    paged.main(["--device", "cpu", "--dtype", "float32", "--heads", "4", "2", "--head-dim", "16", "--prefix-len",
+                "32", "--own-len", "8", "--requests", "3", "--groups", "1", "2", "--page-size", "16", "--reps", "1",
+                "--csv", str(path)])
+    rows = common.read_rows(path)
+    assert list(rows[0]) == common.KERNEL_FIELDS
+    got = {(r["groups"], r["provider"], r["metric"]): float(r["median"]) for r in rows}
+    for groups in ("1", "2"):
+        for provider in ("paged", "paged_first", "paged_unshared"):
+            assert got[(groups, provider, "time")] > 0
+        assert got[(groups, "paged", "relerr")] < 1e-5
+
+
+def test_paged_inputs_share_pages_only_when_asked_and_hold_the_same_keys():
+    q, kc, vc, k, v, table, seqlens = paged.paged_inputs(4, 32, 8, 2, 4, 2, 16, 16, torch.float32, torch.device("cpu"))
+    copy = paged.paged_inputs(4, 32, 8, 2, 4, 2, 16, 16, torch.float32, torch.device("cpu"), shared=False)
+    assert torch.equal(table[0, :2], table[1, :2]) and not torch.equal(table[1, :2], table[2, :2])
+    assert len(set(copy[5][:, :2].flatten().tolist())) == 8
+    assert torch.equal(kc[table[:, :2].long()], copy[1][copy[5][:, :2].long()])
+    assert seqlens.tolist() == [40] * 4
+    with pytest.raises(ValueError, match="whole pages"):
+        paged.paged_inputs(4, 30, 8, 1, 4, 2, 16, 16, torch.float32, torch.device("cpu"))
 
 
 def test_generate_cpu_smoke_run_measures_every_column(tmp_path, one_thread):

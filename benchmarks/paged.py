@@ -2,7 +2,7 @@
 attention) against its bandwidth floor and against the same kernel over a table that shares no page.
 
     python -m benchmarks.paged                                     # 128 requests x (2048 shared + 128 own), bf16
-    python -m benchmarks.paged --requests 32 128 256 --groups 1 4
+    python -m benchmarks.paged --requests 32 128 256 --groups 1 4 --tune   # tile variants timed first
     python -m benchmarks.paged --device cpu --dtype float32 --heads 4 2 --head-dim 16 --prefix-len 32 \\
         --own-len 8 --requests 4 --page-size 16                    # the CPU smoke run (Triton's interpreter)
 
@@ -25,8 +25,10 @@ step); elsewhere wall times of synchronous calls.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import importlib
 import itertools
+import math
 from pathlib import Path
 
 import torch
@@ -35,6 +37,26 @@ from relay_hf.flash import load_kernel
 
 from .common import DATA, KERNEL_FIELDS, append_rows, device_us, environment, print_table, progress, say, summary
 from .kernel import copy_bandwidth
+
+# paged.Tiles overrides that ``--tune`` times before the sweep (paged.Tiles documents each field); the fastest by
+# geometric mean over TUNE_CASES (requests, prefix tokens, prompts) is used
+VARIANTS = {
+    "default": {},
+    "keys64": dict(prefix_keys=64, suffix_keys=64),
+    "prefix_keys64": dict(prefix_keys=64),
+    "suffix_keys64": dict(suffix_keys=64),
+    "splits4": dict(max_splits=4),
+    "splits2": dict(max_splits=2),
+    "warps4": dict(prefix_warps=4, suffix_warps=4),
+    "suffix_warps4": dict(suffix_warps=4),
+    "rows32": dict(prefix_rows=32),
+    "rows128": dict(prefix_rows=128),
+    "programs32": dict(prefix_programs=32),
+    "stages2": dict(stages=2),
+    "stages4": dict(stages=4),
+    "k64_s4_sw4": dict(prefix_keys=64, suffix_keys=64, max_splits=4, suffix_warps=4),
+}
+TUNE_CASES = [(128, 2048, 1), (32, 2048, 1), (128, 2048, 4)]
 
 
 def paged_inputs(R: int, S: int, L: int, groups: int, H_q: int, H_kv: int, D: int, page: int, dtype, device,
@@ -73,32 +95,60 @@ def floor_bytes(R, S, L, groups, H_q, H_kv, D, itemsize) -> int:
     return itemsize * (2 * H_kv * D * (groups * S + R * (L + 1)) + 2 * R * H_kv * D + 2 * R * H_q * D)
 
 
-def paged_point(R: int, S: int, groups: int, args, device, bw: float | None) -> list[dict]:
+def _modules():
+    """relay-flash3's ``grouping`` and ``paged`` modules, as relay_hf loads the kernel."""
     kernel = load_kernel()
-    grouping, paged = (importlib.import_module(f"{kernel.__name__}.{name}") for name in ("grouping", "paged"))
+    return tuple(importlib.import_module(f"{kernel.__name__}.{name}") for name in ("grouping", "paged"))
 
+
+def _timed(inputs, scale: float, tiles, derive: bool):
+    """One call of the Triton path on ``inputs``: the step's groups derived by the call (a step's first layer) or
+    derived once before (every other layer)."""
+    grouping, paged = _modules()
+    q, kc, vc, k, v, table, seqlens = inputs
+    groups = None if derive else grouping.share_groups(table, seqlens, kc.shape[1],
+                                                       tiles.rows_per_tile(q.shape[2] // kc.shape[2]))
+    return lambda: paged.paged_relay_triton(q, kc, vc, k, v, table, seqlens, scale, 0.0, None, groups, tiles=tiles)
+
+
+def tune(device, args) -> tuple[str, object]:
+    """Time every ``VARIANTS`` entry (``paged.Tiles`` overrides) on ``TUNE_CASES``; the best geometric mean."""
+    _, paged = _modules()
+    H_q, H_kv = args.heads
+    dtype = getattr(torch, args.dtype)
+    scores = {}
+    for name, overrides in progress(VARIANTS.items(), "tune"):
+        tiles = dataclasses.replace(paged.TILES, **overrides)
+        times = []
+        for R, S, groups in TUNE_CASES:
+            inputs = paged_inputs(R, S, args.own_len, groups, H_q, H_kv, args.head_dim, args.page_size, dtype, device)
+            times.append(summary(device_us(_timed(inputs, args.head_dim ** -0.5, tiles, False), device,
+                                           reps=args.reps))["median"])
+        scores[name] = math.prod(times) ** (1 / len(times))
+        say(f"tune {name:>14}: " + "  ".join(f"R={R},S={S},g={g}: {t:6.1f} us"
+                                             for (R, S, g), t in zip(TUNE_CASES, times)))
+    best = min(scores, key=scores.get)
+    print(f"tune: using {best} {VARIANTS[best]}")
+    return best, dataclasses.replace(paged.TILES, **VARIANTS[best])
+
+
+def paged_point(R: int, S: int, groups: int, args, device, bw: float | None, tiles=None) -> list[dict]:
+    _, paged = _modules()
+    tiles = tiles or paged.TILES
     H_q, H_kv = args.heads
     D, L, page, dtype = args.head_dim, args.own_len, args.page_size, getattr(torch, args.dtype)
-    q, kc, vc, k, v, table, seqlens = paged_inputs(R, S, L, groups, H_q, H_kv, D, page, dtype, device)
+    q, kc, vc, k, v, table, seqlens = inputs = paged_inputs(R, S, L, groups, H_q, H_kv, D, page, dtype, device)
     unshared = paged_inputs(R, S, L, groups, H_q, H_kv, D, page, dtype, device, shared=False)
     scale = D ** -0.5
-    rows_per_tile = max(1, paged.BLOCK_M_PREFIX // paged._pow2(H_q // H_kv))
-    step_groups = grouping.share_groups(table, seqlens, page, rows_per_tile)
-
-    def run(inputs, step=None):
-        q_, kc_, vc_, k_, v_, table_, seqlens_ = inputs
-        if step is None:
-            return lambda: kernel.flash_attn_with_kvcache(q_, kc_, vc_, k_, v_, cache_seqlens=seqlens_,
-                                                          block_table=table_, softmax_scale=scale)
-        return lambda: paged.paged_relay_triton(q_, kc_, vc_, k_, v_, table_, seqlens_, scale, 0.0, None, step)
-
-    inputs = (q, kc, vc, k, v, table, seqlens)
-    providers = {"paged": run(inputs, step_groups), "paged_first": run(inputs), "paged_unshared": run(unshared)}
+    providers = {"paged": _timed(inputs, scale, tiles, False), "paged_first": _timed(inputs, scale, tiles, True),
+                 "paged_unshared": _timed(unshared, scale, tiles, False)}
     out = providers["paged"]()
     ref = paged.paged_attention_torch(q.float(), kc.float(), vc.float(), k.float(), v.float(), table, seqlens,
                                       scale, 0.0, None)
     relerr = float((out.float() - ref).norm() / ref.norm())
     shape = dict(dtype=args.dtype, H_q=H_q, H_kv=H_kv, D=D, L_s=L, S=S, B=R, groups=groups, note=args.note)
+    if tiles != paged.TILES:
+        shape["note"] = " ".join(filter(None, [args.note, f"tiles: {tiles}"]))
     rows, times = [], {}
     for name, fn in providers.items():
         times[name] = summary(device_us(fn, device, reps=args.reps))
@@ -137,6 +187,7 @@ def main(argv=None) -> list[dict]:
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
     parser.add_argument("--device", default=None, help="default: cuda when available, else cpu")
     parser.add_argument("--reps", type=int, default=5, help="timed calls per provider off CUDA (CUDA: 10 replays)")
+    parser.add_argument("--tune", action="store_true", help="time the Tiles VARIANTS first, use the fastest")
     parser.add_argument("--note", default="")
     parser.add_argument("--csv", type=Path, default=DATA / "kernel.csv", help="append the rows here")
     args = parser.parse_args(argv)
@@ -146,8 +197,13 @@ def main(argv=None) -> list[dict]:
     bw = copy_bandwidth(device) if device.type == "cuda" else None
     rows, lines = [], []
     grid = [(R, S, g) for R, S, g in itertools.product(args.requests, args.prefix_len, args.groups) if g <= R]
+    tiles = None
+    if args.tune:
+        if device.type != "cuda":
+            parser.error("--tune times the Triton kernels: it needs CUDA")
+        _, tiles = tune(device, args)
     for R, S, groups in progress(grid, "paged"):
-        point = paged_point(R, S, groups, args, device, bw)
+        point = paged_point(R, S, groups, args, device, bw, tiles)
         rows += point
         lines.append(_line(point))
     print_table(lines, list(lines[0]))

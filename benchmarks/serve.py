@@ -131,8 +131,9 @@ def offline(model, mode: str, inputs: list[list[int]], N: int, args) -> tuple[fl
 
 def online(model, mode: str, inputs: list[list[int]], N: int, rate: float, args, seed: int) -> tuple[float, dict]:
     """Requests added at Poisson arrival times (``rate`` per second): seconds from the first arrival to the last
-    result, and the latencies."""
+    result, and the latencies; ``(None, {})`` when some request did not finish (timeout, or the manager stopped)."""
     rng = random.Random(seed)
+    model.destroy_cached_continuous_batching_manager()  # a kept offline manager holds the cache's memory
     manager = model.init_continuous_batching(generation_config=generation_config(model, N),
                                              continuous_batching_config=cb_config(args, mode))
     manager.start()
@@ -145,15 +146,16 @@ def online(model, mode: str, inputs: list[list[int]], N: int, rate: float, args,
             time.sleep(max(0.0, due - time.perf_counter()))
             manager.add_request(ids, request_id=f"q{i}", max_new_tokens=N, record_timestamps=True)
         deadline = time.perf_counter() + args.timeout
-        while len(results) < len(inputs) and time.perf_counter() < deadline:
+        while len(results) < len(inputs) and time.perf_counter() < deadline and manager.is_running():
             out = manager.get_result(timeout=1)
             if out is not None and out.is_finished():
                 results.append(out)
         wall = time.perf_counter() - start
     finally:
         manager.stop(block=True, timeout=60)
-    if len(results) < len(inputs):
+    if len(results) < len(inputs):  # no row: a throughput over the finished requests alone would flatter
         say(f"online rate {rate}: {len(results)} of {len(inputs)} requests finished within {args.timeout} s")
+        return None, {}
     return wall, _latencies(results)
 
 
@@ -206,8 +208,8 @@ def main(argv=None) -> None:
                            args)
         wall, lat = offline(model, mode, inputs, N, args)
         used = _relay_used(model, mode)
-        if relay_hf.is_patched(model):
-            say(f"{mode}: road {getattr(model, 'relay_continuous_road', None)}")
+        road = f", road {getattr(model, 'relay_continuous_road', None)}" if relay_hf.is_patched(model) else ""
+        say(f"{mode} offline: {R * N / wall:,.0f} tok/s ({wall:.2f} s; first call {first:.2f} s){road}")
         extra = {"arrival": "offline persistent" if args.persistent else "offline", "relay_used": used}
         rows += _rows(mode, {"throughput": ("tok/s", R * N / wall), "wall": ("s", wall), "first_call": ("s", first),
                              "ttft_p50": ("s", _percentile(lat["ttft"], 50)),
@@ -219,12 +221,16 @@ def main(argv=None) -> None:
         online_inputs = inputs[:args.online_requests or R]
         for rate in args.rates:
             wall, lat = online(model, mode, online_inputs, N, rate, args, args.seed)
+            if wall is None:
+                continue
             rows += _rows(mode, {"throughput": ("tok/s", len(online_inputs) * N / wall),
                                  "ttft_p50": ("s", _percentile(lat["ttft"], 50)),
                                  "ttft_p99": ("s", _percentile(lat["ttft"], 99)),
                                  "tpot_p50": ("ms", _scaled(_percentile(lat["tpot"], 50))),
                                  "tpot_p99": ("ms", _scaled(_percentile(lat["tpot"], 99)))},
                           {**base, "R": len(online_inputs), "arrival": f"poisson {rate:g}/s", "relay_used": used})
+            say(f"{mode} poisson {rate:g}/s: TPOT p99 {_scaled(_percentile(lat['tpot'], 99))} ms, TTFT p50 "
+                f"{_percentile(lat['ttft'], 50)} s")
     _set_up(model, None, stock_attn)
     append_rows(args.csv, SERVE_FIELDS, rows)
     print_table(rows, ["mode", "arrival", "metric", "unit", "median"])

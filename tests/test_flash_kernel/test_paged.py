@@ -20,10 +20,16 @@ def _on(device, step):
     return tuple(t.to(device) for t in step)
 
 
-def _step(seed, page_size, lens, shared, kv_heads=2, group=2, dim=16, dtype=torch.float32, pad_rows=0, spare=0):
+def _step(seed, page_size, lens, shared, kv_heads=2, group=2, dim=16, dtype=torch.float32, pad_rows=0, spare=0,
+          partial_shared=False):
     """A random decode step: ``lens[b]`` tokens cached per row; ``shared[b] = (key, pages)``: rows with the same key
     share their first ``pages`` pages (a prefix of a longer shared run keeps the same page ids); pages are allocated
-    for ``spare`` more tokens per row."""
+    for ``spare`` more tokens per row. A row shares only pages complete before the step (transformers shares no other:
+    the page a request writes to is its own), unless ``partial_shared`` (block tables no cache would hold)."""
+    if not partial_shared:
+        for b, n in enumerate(lens):
+            if shared[b][1] and any(s[0] == shared[b][0] for i, s in enumerate(shared) if i != b):
+                assert shared[b][1] <= n // page_size, f"row {b} would share a page it writes to"
     gen = torch.Generator().manual_seed(seed)
     batch = len(lens) + pad_rows
     width = max(-(-(n + 1 + spare) // page_size) for n in lens) + 1
@@ -186,7 +192,7 @@ def test_a_captured_step_replays_other_tables_and_groupings():
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         out = paged.flash_attn_with_kvcache(q, kc, vc, k, v, cache_seqlens=past, block_table=table)
-    for seed, shared in ((22, [("a", 1), ("b", 2), ("b", 2), ("c", 0)]), (23, [("a", 3)] * 4)):
+    for seed, shared in ((22, [("a", 1), ("b", 2), ("b", 2), ("c", 0)]), (23, [("a", 2)] * 3 + [("a", 1)])):
         nxt = _step(seed, page_size, [40, 47, 35, 49], shared, kv_heads=2, group=4, dim=64, spare=16)
         for dst, src in zip((q, kc, vc, k, v, table, past), nxt):
             dst.copy_(src)
@@ -196,13 +202,13 @@ def test_a_captured_step_replays_other_tables_and_groupings():
 
 
 def test_more_live_tiles_than_programs_are_all_served():
-    # 12 prompts of two rows each, one row per tile: 24 live tiles for PREFIX_PROGRAMS programs to loop over
+    # 12 prompts of two rows each, one row per tile: 24 live tiles for TILES.prefix_programs programs to loop over
     lens = [9 + b % 3 for b in range(24)]
     step = _step(17, 4, lens, [(b // 2, 2) for b in range(24)], kv_heads=1, group=2, dim=8)
     expected, _, _ = _oracle(*step, scale=0.4)
     step = _on(DEVICE, step)
     groups = grouping.share_groups(step[5], step[6], 4, rows_per_tile=1)
-    assert groups.counts.tolist() == [24, 0] and 24 > paged.PREFIX_PROGRAMS
+    assert groups.counts.tolist() == [24, 0] and 24 > paged.TILES.prefix_programs
     out = paged.paged_relay_triton(*step, 0.4, 0.0, None, groups=groups, prefix_splits=1, suffix_splits=1)
     torch.testing.assert_close(out.double().cpu(), expected, atol=2e-5, rtol=2e-5)
 
@@ -214,7 +220,7 @@ def test_random_groups_share_only_complete_identical_pages_and_cover_every_row(s
     lens = torch.randint(0, 40, (batch,), generator=gen).tolist()
     keys = torch.randint(0, 3, (batch,), generator=gen).tolist()
     shared = [(f"p{k}", int(torch.randint(0, 6, (1,), generator=gen))) for k in keys]
-    _, _, _, _, _, table, past = _step(seed, 4, lens, shared, pad_rows=int(seed % 3 == 0))
+    _, _, _, _, _, table, past = _step(seed, 4, lens, shared, pad_rows=int(seed % 3 == 0), partial_shared=True)
     complete = torch.where(past >= 0, past // 4, 0)
     groups = grouping.share_groups(table, past, 4, rows_per_tile=int(torch.randint(1, 4, (1,), generator=gen)))
     bounds, members = groups.bounds.tolist(), groups.members.tolist()

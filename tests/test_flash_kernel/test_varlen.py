@@ -212,7 +212,7 @@ def test_a_captured_call_replays_other_lengths():
     with torch.cuda.graph(graph):
         out = varlen.varlen_attention(q, k, v, cu_q, cu_k, 20, causal=True)
     other = ((10, 29), (6, 10), (18, 18), (2, 2), (5, 3), (0, 0), (0, 0))
-    nq, nk, ncu_q, ncu_k, _ = make_case(4, 2, 64, torch.bfloat16, layout=other, seed=2)
+    nq, nk, _, ncu_q, ncu_k, _ = make_case(4, 2, 64, torch.bfloat16, layout=other, seed=2)
     for dst, src in ((q, nq), (k, nk), (v, make_case(4, 2, 64, torch.bfloat16, layout=other, seed=3)[1])):
         dst.fill_(math.nan)
         dst[:len(src)].copy_(src)

@@ -19,6 +19,7 @@ of the step read them. Elsewhere a PyTorch path computes the same attention row 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import math
 import os
@@ -34,12 +35,36 @@ try:
 except ImportError:  # pragma: no cover
     paged_jit = None
 
-# Tile configs: query rows of one prefix tile (members x GQA group), keys per inner step; splits fill the GPU when a
-# step has few groups. A prefix tile reads its shared pages once for all of its members.
-BLOCK_M_PREFIX = 64
-BLOCK_N = 32
-MAX_SPLITS = 8
-PREFIX_PROGRAMS = 16  # programs per KV head and split looping over a step's live prefix tiles (one group: 1-8)
+
+
+@dataclasses.dataclass(frozen=True)
+class Tiles:
+    """The paged step's tile configs, in one place (``python -m benchmarks.paged --tune`` times variants of them).
+
+    * ``prefix_rows``: query rows of a prefix tile (members x GQA group): the tile reads its shared pages once for
+      all of its members;
+    * ``prefix_keys`` / ``suffix_keys``: keys per inner step of the prefix / suffix units;
+    * ``max_splits``: the most splits of one KV range (flash-decoding: splits fill the GPU when a step has few units;
+      each costs an fp32 partial output per row, written and merged);
+    * ``prefix_programs``: programs per KV head and split looping over a step's live prefix tiles;
+    * ``prefix_warps`` / ``suffix_warps``: warps per program (``None``: 8 from head size 128 up, else 4; head size
+      256 spills at 4); ``stages``: software-pipelining depth of the key loops (``None``: Triton's default)."""
+
+    prefix_rows: int = 64
+    prefix_keys: int = 32
+    suffix_keys: int = 32
+    max_splits: int = 8
+    prefix_programs: int = 16
+    prefix_warps: int | None = None
+    suffix_warps: int | None = None
+    stages: int | None = None
+
+    def rows_per_tile(self, group: int) -> int:
+        """Members of one prefix tile for ``group`` query heads per KV head."""
+        return max(1, self.prefix_rows // _pow2(group))
+
+
+TILES = Tiles()
 CPU_SM_COUNT = 4  # the interpreter: few splits
 
 
@@ -142,39 +167,40 @@ def _sm_count(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
-def _splits(device: torch.device, kv_heads: int, units: int) -> int:
-    """Splits of a KV range so that ``units`` programs per KV head fill the device twice over (flash-decoding)."""
+def _splits(device: torch.device, kv_heads: int, units: int, most: int) -> int:
+    """Splits of a KV range so that ``units`` programs per KV head fill the device twice over (flash-decoding), at
+    most ``most``."""
     want = -(-2 * _sm_count(device) // max(1, kv_heads * units))
-    return max(1, min(MAX_SPLITS, _pow2(want)))
+    return max(1, min(most, _pow2(want)))
 
 
 def paged_relay_triton(q, k_cache, v_cache, k, v, block_table, past, scale, softcap, s_aux, groups=None,
-                       prefix_splits=None, suffix_splits=None):
-    """The Triton path (module docstring). ``groups`` (made with ``rows_per_tile`` at most this function's) and
-    ``*_splits`` override the derived ones (tests, checks): such a call leaves the step memo and the tally alone."""
+                       prefix_splits=None, suffix_splits=None, tiles: Tiles = TILES):
+    """The Triton path (module docstring). ``groups`` (made with ``tiles.rows_per_tile`` at most) and ``*_splits``
+    override the derived ones (tests, checks): such a call leaves the step memo and the tally alone."""
     guard = torch.cuda.device(q.device) if q.is_cuda else contextlib.nullcontext()
     with guard:  # Triton launches on the current device: make it q's (as flash-attn's own device guard does)
         return _paged_relay_triton(q, k_cache, v_cache, k, v, block_table, past, scale, softcap, s_aux, groups,
-                                   prefix_splits, suffix_splits)
+                                   prefix_splits, suffix_splits, tiles)
 
 
 def _paged_relay_triton(q, k_cache, v_cache, k, v, block_table, past, scale, softcap, s_aux, groups, prefix_splits,
-                        suffix_splits):
+                        suffix_splits, tiles):
     batch, _, heads, dim = q.shape
     kv_heads, page_size = k_cache.shape[2], k_cache.shape[1]
     group = heads // kv_heads
-    rows_per_tile = max(1, BLOCK_M_PREFIX // _pow2(group))
+    rows_per_tile = tiles.rows_per_tile(group)
     block_d = max(16, _pow2(dim))
     if k is not None:
         paged_jit._write_kernel[(batch, kv_heads)](k, v, k_cache, v_cache, block_table, past, _st(k), _st(v),
                                                    k_cache.stride(), v_cache.stride(), block_table.stride(0),
                                                    page_size, dim, BLOCK_D=block_d)
-    seq = torch.where(past >= 0, past + (1 if k is not None else 0), 0).to(torch.int32)  # tokens attended
     if groups is None:
         groups = _STEP_GROUPS.get(block_table, past, k_cache, page_size, rows_per_tile)
-    programs = min(batch, PREFIX_PROGRAMS)
-    s_prefix = prefix_splits or _splits(q.device, kv_heads, min(programs, max(1, batch // rows_per_tile)))
-    s_suffix = suffix_splits or _splits(q.device, kv_heads, batch)
+    programs = min(batch, tiles.prefix_programs)
+    s_prefix = prefix_splits or _splits(q.device, kv_heads, min(programs, max(1, batch // rows_per_tile)),
+                                        tiles.max_splits)
+    s_suffix = suffix_splits or _splits(q.device, kv_heads, batch, tiles.max_splits)
     slots = 2 * s_prefix + s_suffix
     po = torch.empty(slots, batch, heads, dim, device=q.device, dtype=torch.float32)
     plse = torch.full((slots, batch, heads), float("-inf"), device=q.device, dtype=torch.float32)
@@ -182,17 +208,20 @@ def _paged_relay_triton(q, k_cache, v_cache, k, v, block_table, past, scale, sof
     scale_log2 = scale / math.log(2.0) / (softcap if softcap else 1.0)
     # fp32 products in fp32 (exact to the oracle); bf16 too on the CPU interpreter, whose bf16 products are wrong
     ieee = q.dtype == torch.float32 or (q.dtype == torch.bfloat16 and not q.is_cuda)
-    # wide heads: more warps share a tile's registers (head size 256 spills at 4; benchmarks/kernel.py)
-    common = dict(BLOCK_N=BLOCK_N, BLOCK_D=block_d, SOFTCAP=bool(softcap), IEEE=ieee,
-                  num_warps=8 if block_d >= 128 else 4)
+    # wide heads: more warps share a tile's registers (head size 256 spills at 4)
+    warps = 8 if block_d >= 128 else 4
+    common = dict(BLOCK_D=block_d, SOFTCAP=bool(softcap), IEEE=ieee,
+                  **({} if tiles.stages is None else {"num_stages": tiles.stages}))
     strides = (_st(q), k_cache.stride(), v_cache.stride(), po.stride(), plse.stride())
     paged_jit._prefix_kernel[(programs, kv_heads, s_prefix)](
         q, k_cache, v_cache, block_table, groups.tiles, groups.counts, groups.members, groups.bounds, po, plse,
         *strides, batch, block_table.stride(0), page_size, group, dim, scale_log2, float(softcap), PROGRAMS=programs,
-        ROWS_PER_TILE=rows_per_tile, BLOCK_M=max(16, _pow2(rows_per_tile * group)), SPLITS=s_prefix, **common)
+        ROWS_PER_TILE=rows_per_tile, BLOCK_M=max(16, _pow2(rows_per_tile * group)), SPLITS=s_prefix,
+        BLOCK_N=tiles.prefix_keys, num_warps=tiles.prefix_warps or warps, **common)
     paged_jit._suffix_kernel[(batch, kv_heads, s_suffix)](
-        q, k_cache, v_cache, block_table, seq, groups.bounds, po, plse, *strides, block_table.stride(0), page_size,
-        group, dim, scale_log2, float(softcap), 2 * s_prefix, BLOCK_M=max(16, _pow2(group)), SPLITS=s_suffix, **common)
+        q, k_cache, v_cache, block_table, past, groups.bounds, po, plse, *strides, block_table.stride(0), page_size,
+        group, dim, scale_log2, float(softcap), 2 * s_prefix, BLOCK_M=max(16, _pow2(group)), SPLITS=s_suffix,
+        BLOCK_N=tiles.suffix_keys, num_warps=tiles.suffix_warps or warps, WROTE=int(k is not None), **common)
     out = torch.empty_like(q)
     sinks = s_aux if s_aux is not None else plse
     paged_jit._merge_kernel[(batch, kv_heads)](po, plse, out, sinks, po.stride(), plse.stride(), _st(out), group, dim,

@@ -146,14 +146,17 @@ def _prefix_kernel(Q, KC, VC, BT, TILES, COUNTS, MEMBERS, BOUNDS, PO, PLSE, q_st
 
 
 @triton.jit
-def _suffix_kernel(Q, KC, VC, BT, SEQ, BOUNDS, PO, PLSE, q_st, kc_st, vc_st, po_st, plse_st, bt_b, page_size, G, D,
+def _suffix_kernel(Q, KC, VC, BT, PAST, BOUNDS, PO, PLSE, q_st, kc_st, vc_st, po_st, plse_st, bt_b, page_size, G, D,
                 scale_log2, softcap, slot0, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-                SPLITS: tl.constexpr, SOFTCAP: tl.constexpr, IEEE: tl.constexpr):
-    """Suffix units: row ``b``'s tokens after its shared prefix (``BOUNDS[b, 2]`` pages) up to ``SEQ[b]``."""
+                SPLITS: tl.constexpr, SOFTCAP: tl.constexpr, IEEE: tl.constexpr, WROTE: tl.constexpr):
+    """Suffix units: row ``b``'s tokens after its shared prefix (``BOUNDS[b, 2]`` pages) up to its length:
+    ``PAST[b]`` cached tokens, plus the step's new one where this call wrote it (``WROTE``); none for padding."""
     b, h, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i = tl.arange(0, BLOCK_M)
     lo = tl.load(BOUNDS + b * 3 + 2) * page_size
-    _unit(Q, KC, VC, PO, PLSE, tl.zeros([BLOCK_M], tl.int32) + b, i < G, lo, tl.load(SEQ + b), BT + b * bt_b,
+    past = tl.load(PAST + b)
+    seq = tl.where(past >= 0, past + WROTE, 0)
+    _unit(Q, KC, VC, PO, PLSE, tl.zeros([BLOCK_M], tl.int32) + b, i < G, lo, seq, BT + b * bt_b,
           slot0 + split, h, split, q_st, kc_st, vc_st, po_st, plse_st, page_size, G, D, scale_log2, softcap,
           BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D, SPLITS=SPLITS, SOFTCAP=SOFTCAP, IEEE=IEEE)
 

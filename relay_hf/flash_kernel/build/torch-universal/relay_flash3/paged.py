@@ -224,9 +224,8 @@ def _paged_relay_triton(q, k_cache, v_cache, k, v, block_table, past, scale, sof
         BLOCK_N=tiles.suffix_keys, num_warps=tiles.suffix_warps or warps, WROTE=int(k is not None), **common)
     out = torch.empty_like(q)
     sinks = s_aux if s_aux is not None else plse
-    paged_jit._merge_kernel[(batch, kv_heads)](po, plse, out, sinks, po.stride(), plse.stride(), _st(out), group, dim,
-                                               slots, BLOCK_S=_pow2(slots), BLOCK_G=max(2, _pow2(group)),
-                                               BLOCK_D=block_d, HAS_SINKS=s_aux is not None)
+    paged_jit._merge_kernel[(batch, heads)](po, plse, out, sinks, po.stride(), plse.stride(), _st(out), dim, slots,
+                                            BLOCK_S=_pow2(slots), BLOCK_D=block_d, HAS_SINKS=s_aux is not None)
     return out
 
 

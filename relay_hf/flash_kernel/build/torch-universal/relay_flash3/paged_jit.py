@@ -10,7 +10,7 @@
 
    Every unit writes a normalised fp32 partial output and its natural-log fp32 LSE into its slot (``PO``/``PLSE``):
    level-1 split ``s`` -> slot ``s``, level-2 -> ``splits + s``, suffix split ``t`` -> ``2 * splits + t``.
-4. ``_merge_kernel`` — grid ``(B, H_kv)``: weights the slots of a row by their LSE (plus an attention sink) and writes
+4. ``_merge_kernel`` — grid ``(B, H_q)``: weights the slots of a row by their LSE (plus an attention sink) and writes
    the output in the query's dtype.
 
 Scores are in the log2 domain inside the kernels (``exp2``); every LSE that leaves a kernel is natural-log fp32.
@@ -162,34 +162,28 @@ def _suffix_kernel(Q, KC, VC, BT, PAST, BOUNDS, PO, PLSE, q_st, kc_st, vc_st, po
 
 
 @triton.jit
-def _merge_kernel(PO, PLSE, OUT, SINKS, po_st, plse_st, o_st, G, D, slots, BLOCK_S: tl.constexpr,
-                  BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, HAS_SINKS: tl.constexpr):
-    """``OUT [B, 1, H_q, D]`` (strides of b, h, d) of row ``b``, KV head ``h``: the ``slots`` partials weighted by
+def _merge_kernel(PO, PLSE, OUT, SINKS, po_st, plse_st, o_st, D, slots, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
+                  HAS_SINKS: tl.constexpr):
+    """``OUT [B, 1, H_q, D]`` (strides of b, h, d) of row ``b``, query head ``h``: the ``slots`` partials weighted by
     their LSE; ``SINKS [H_q]`` adds ``exp(sink)`` to the denominator (natural-log logits, not scaled). A row with
-    no key at all (padding) gets zeros. The slots are summed in a loop (unrolled, 24 of them spill registers)."""
+    no key at all (padding) gets zeros. All slots are loaded at once (one head's ``[slots, D]``: a loop over the
+    slots waited on one load after another); a slot that holds nothing (``-inf``) is not read."""
     b, h = tl.program_id(0), tl.program_id(1)
-    g = tl.arange(0, BLOCK_G)
-    d = tl.arange(0, BLOCK_D)
-    g_ok, d_ok = g < G, d < D
-    heads = h * G + g
     s = tl.arange(0, BLOCK_S)
-    lse = tl.load(PLSE + s[:, None] * plse_st[0] + b * plse_st[1] + heads[None, :] * plse_st[2],
-                  mask=(s[:, None] < slots) & g_ok[None, :], other=float("-inf"))  # [BLOCK_S, BLOCK_G]
+    d = tl.arange(0, BLOCK_D)
+    d_ok = d < D
+    lse = tl.load(PLSE + s * plse_st[0] + b * plse_st[1] + h * plse_st[2], mask=s < slots,
+                  other=float("-inf"))  # [BLOCK_S]
     m = tl.max(lse, 0)
     if HAS_SINKS:
-        sink = tl.load(SINKS + heads, mask=g_ok, other=float("-inf")).to(tl.float32)
+        sink = tl.load(SINKS + h).to(tl.float32)
         m = tl.maximum(m, sink)
     m_safe = tl.where(m == float("-inf"), 0.0, m)
-    w = tl.exp2((lse - m_safe[None, :]) * _LOG2E)  # [BLOCK_S, BLOCK_G]
+    w = tl.exp2((lse - m_safe) * _LOG2E)  # [BLOCK_S]
     den = tl.sum(w, 0)
     if HAS_SINKS:
         den += tl.exp2((sink - m_safe) * _LOG2E)
-    acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
-    for k in range(slots):
-        wk = tl.sum(tl.where(s[:, None] == k, w, 0.0), 0)  # [BLOCK_G]
-        part = tl.load(PO + k * po_st[0] + b * po_st[1] + heads[:, None] * po_st[2] + d[None, :] * po_st[3],
-                       mask=g_ok[:, None] & d_ok[None, :] & (wk[:, None] > 0.0), other=0.0)
-        acc += wk[:, None] * part
-    out = acc / tl.where(den > 0.0, den, 1.0)[:, None]
-    tl.store(OUT + b * o_st[0] + heads[:, None] * o_st[1] + d[None, :] * o_st[2], out.to(OUT.dtype.element_ty),
-             mask=g_ok[:, None] & d_ok[None, :])
+    part = tl.load(PO + s[:, None] * po_st[0] + b * po_st[1] + h * po_st[2] + d[None, :] * po_st[3],
+                   mask=(w[:, None] > 0.0) & d_ok[None, :], other=0.0)  # [BLOCK_S, BLOCK_D]
+    out = tl.sum(w[:, None] * part, 0) / tl.where(den > 0.0, den, 1.0)
+    tl.store(OUT + b * o_st[0] + h * o_st[1] + d * o_st[2], out.to(OUT.dtype.element_ty), mask=d_ok)

@@ -188,6 +188,21 @@ def _fmt(value) -> str:
     return str(value)
 
 
+def sweep(grid, measure: Callable[..., list[dict]], line: Callable[[list[dict]], dict], desc: str, env: dict,
+          path: Path, fields: list[str], first_rows: list[dict] = ()) -> list[dict]:
+    """Measure each point of ``grid`` (``measure(*point)``: its rows), print one ``line(rows)`` per point and then the
+    table of them, and append ``first_rows`` and the points' rows, with the run's ``env``, to ``path``."""
+    rows, lines = list(first_rows), []
+    for point in progress(grid, desc):
+        got = measure(*point)
+        rows += got
+        lines.append(line(got))
+    print_table(lines, list(lines[0]))
+    append_rows(path, fields, [dict(env, **r) for r in rows])
+    print(f"appended {len(rows)} rows to {path}")
+    return rows
+
+
 def progress(items, desc: str):
     """``tqdm`` over ``items`` (benchmarks depend on it through the ``bench`` extra)."""
     from tqdm import tqdm

@@ -42,15 +42,14 @@ from relay_hf.kernels.reference import merge_partials
 from .common import (
     DATA,
     KERNEL_FIELDS,
-    append_rows,
     device_us,
     environment,
     host_us,
     peak_extra_mib,
-    print_table,
     progress,
     say,
     summary,
+    sweep,
 )
 
 # KernelConfig overrides that ``--tune`` times before the sweep (relay_hf/kernels/triton_relay.py documents each
@@ -248,16 +247,9 @@ def main(argv=None) -> list[dict]:
             parser.error("--tune times the Triton kernel: it needs CUDA")
         name, config = tune(device, *args.heads, args.head_dim, args.suffix_len, getattr(torch, args.dtype))
         note = " ".join(filter(None, [args.note, f"tuned: {name}"]))
-    lines = []
     grid = [(S, B, g) for S, B, g in itertools.product(args.prefix_len, args.batch, args.groups) if g <= B]
-    for S, B, groups in progress(grid, "kernel"):
-        point = kernel_point(S, B, args, device, bw, config, note, groups)
-        rows += point
-        lines.append(_line(point))
-    print_table(lines, list(lines[0]))
-    append_rows(args.csv, KERNEL_FIELDS, [dict(env, **r) for r in rows])
-    print(f"appended {len(rows)} rows to {args.csv}")
-    return rows
+    return sweep(grid, lambda S, B, groups: kernel_point(S, B, args, device, bw, config, note, groups), _line, "kernel",
+                 env, args.csv, KERNEL_FIELDS, rows)
 
 
 if __name__ == "__main__":

@@ -35,7 +35,7 @@ import torch
 
 from relay_hf.flash import load_kernel
 
-from .common import DATA, KERNEL_FIELDS, append_rows, device_us, environment, print_table, progress, say, summary
+from .common import DATA, KERNEL_FIELDS, device_us, environment, progress, say, summary, sweep
 from .kernel import copy_bandwidth
 
 # paged.Tiles overrides that ``--tune`` times before the sweep (paged.Tiles documents each field); the fastest by
@@ -195,22 +195,14 @@ def main(argv=None) -> list[dict]:
     env = environment(device)
     print(f"{env['device']}, torch {env['torch']}, transformers {env['transformers']}, commit {env['commit']}")
     bw = copy_bandwidth(device) if device.type == "cuda" else None
-    rows, lines = [], []
     grid = [(R, S, g) for R, S, g in itertools.product(args.requests, args.prefix_len, args.groups) if g <= R]
     tiles = None
     if args.tune:
         if device.type != "cuda":
             parser.error("--tune times the Triton kernels: it needs CUDA")
         _, tiles = tune(device, args)
-    for R, S, groups in progress(grid, "paged"):
-        point = paged_point(R, S, groups, args, device, bw, tiles)
-        rows += point
-        lines.append(_line(point))
-    print_table(lines, list(lines[0]))
-    append_rows(args.csv, KERNEL_FIELDS, [dict(env, **r) for r in rows])
-    print(f"appended {len(rows)} rows to {args.csv}")
-    return rows
-
+    return sweep(grid, lambda R, S, groups: paged_point(R, S, groups, args, device, bw, tiles), _line, "paged", env,
+                 args.csv, KERNEL_FIELDS)
 
 if __name__ == "__main__":
     main()

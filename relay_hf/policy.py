@@ -245,10 +245,12 @@ def flash_fit_reason(model, cb_config) -> str | None:
         return "the model is split over several devices (hf_device_map)"
     if getattr(cb_config, "max_blocks_per_request", None) == 0:
         return "the continuous batching config turns the decode fast path off (max_blocks_per_request=0)"
-    heads, kv_heads, head_dim, _ = head_shape(model.config.get_text_config(decoder=True))
+    heads, kv_heads, head_dim, value_dim = head_shape(model.config.get_text_config(decoder=True))
     if head_dim > 256 or heads % kv_heads or model.dtype not in (torch.float16, torch.bfloat16, torch.float32):
         return f"relay's flash kernel serves head sizes up to 256 in fp16, bf16 or fp32 (head size {head_dim}, " \
                f"{model.dtype})"
+    if value_dim != head_dim:
+        return f"relay's flash kernel reads values of the keys' head size (keys {head_dim}, values {value_dim})"
     return check_reason(model.device, model.dtype, heads, kv_heads, head_dim)
 
 

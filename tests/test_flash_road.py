@@ -172,6 +172,15 @@ def test_cuda_graphs_and_compiled_steps_stay_on_the_flash_road(llama, kernel):
     assert "CUDA graphs" in why and "max_blocks_per_request=0" in not_flash
 
 
+def test_values_of_another_head_size_keep_the_host_road(llama, kernel, monkeypatch):
+    monkeypatch.setattr(policy, "kernels_available", lambda: True)  # 5.17's CI has no kernels package
+    llama.config.v_head_dim = llama.config.head_dim // 2  # as MLA models declare it: the kernel reads one head size
+    try:
+        assert "values" in policy.flash_fit_reason(llama, cb_config())
+    finally:
+        del llama.config.v_head_dim
+
+
 def test_on_the_cpu_the_host_road_serves_and_says_why(llama):
     relay_hf.patch(llama, min_prefix_length=8)
     inputs = requests_under([(48, 3)], seed=7)

@@ -148,6 +148,8 @@ def test_rejects_what_it_does_not_implement():
     with pytest.raises(ValueError, match="one query per request"):
         kernel.flash_attn_with_kvcache(q.expand(1, 2, -1, -1), k_cache, v_cache, cache_seqlens=past,
                                        block_table=table)
+    with pytest.raises(ValueError, match="queries, keys and values"):  # values of another head size (MLA)
+        kernel.flash_attn_with_kvcache(q, k_cache, v_cache[..., :8], cache_seqlens=past, block_table=table)
 
 
 def test_every_layer_of_a_step_reads_the_groups_the_first_derived():

@@ -289,10 +289,11 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
                          f"{tuple(q.shape)}")
     if (k is None) != (v is None):
         raise ValueError("relay-flash3: pass both k and v, or neither")
-    if q.shape[2] % k_cache.shape[2] or q.shape[3] != k_cache.shape[3] or q.shape[3] > 256:
+    if (q.shape[2] % k_cache.shape[2] or q.shape[3] != k_cache.shape[3] or q.shape[3] > 256
+            or tuple(v_cache.shape) != tuple(k_cache.shape)):
         raise ValueError(f"relay-flash3: query heads {q.shape[2]} must be a multiple of the cache's KV heads "
-                         f"{k_cache.shape[2]}, with the same head size (at most 256); got q {tuple(q.shape)}, "
-                         f"k_cache {tuple(k_cache.shape)}")
+                         f"{k_cache.shape[2]}, with the same head size (at most 256) for queries, keys and values; "
+                         f"got q {tuple(q.shape)}, k_cache {tuple(k_cache.shape)}, v_cache {tuple(v_cache.shape)}")
     if not isinstance(cache_seqlens, torch.Tensor):
         cache_seqlens = torch.full((q.shape[0],), int(cache_seqlens), dtype=torch.int32, device=q.device)
     rows = q.shape[0]

@@ -36,7 +36,6 @@ except ImportError:  # pragma: no cover
     paged_jit = None
 
 
-
 @dataclasses.dataclass(frozen=True)
 class Tiles:
     """The paged step's tile configs, in one place (``python -m benchmarks.paged --tune`` times variants of them).

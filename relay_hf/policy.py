@@ -271,7 +271,7 @@ def cost_reason(rows: int, prefix_length: int, device: torch.device, min_prefix_
     ``prefix_length``: the shared prefix (with several, the shortest segment); ``shared_tokens``: rows x tokens read
     from shared prefixes (``rows * prefix_length`` when ``None``). A single row has nothing to share, except on
     relay_hf's captured loop (``captured_loop``, CUDA only), where the loop, not the kernel, decides: transformers'
-    static loop is host-bound while the captured step replays back to back (one-row rows in docs/performance.md)."""
+    static loop is host-bound while the captured step replays back to back (benchmarks.generate, one row)."""
     captured_loop = captured_loop and device.type == "cuda"
     shared = rows * prefix_length if shared_tokens is None else shared_tokens
     if rows < 2 and not captured_loop:

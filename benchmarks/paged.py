@@ -80,7 +80,8 @@ def paged_inputs(R: int, S: int, L: int, groups: int, H_q: int, H_kv: int, D: in
         next_page = groups * prefix_pages + R * prefix_pages
     own = next_page + torch.arange(R * own_pages, device=device).view(R, own_pages)
     table = torch.cat([prefix, own], 1).to(torch.int32)
-    k_cache, v_cache = rnd(int(table.max()) + 1, page, H_kv, D), rnd(int(table.max()) + 1, page, H_kv, D)
+    pages = int(table.max()) + 1
+    k_cache, v_cache = rnd(pages, page, H_kv, D), rnd(pages, page, H_kv, D)
     if not shared:  # each request's copy holds its prompt's keys: the same attention as the shared table
         copies = table[:, :prefix_pages].flatten().long()
         originals = prompt_pages[which].flatten()

@@ -209,9 +209,10 @@ def main(argv=None) -> None:
         wall, lat = offline(model, mode, inputs, N, args)
         used = _relay_used(model, mode)
         road = f", road {getattr(model, 'relay_continuous_road', None)}" if relay_hf.is_patched(model) else ""
-        say(f"{mode} offline: {R * N / wall:,.0f} tok/s ({wall:.2f} s; first call {first:.2f} s){road}")
+        throughput = R * N / wall
+        say(f"{mode} offline: {throughput:,.0f} tok/s ({wall:.2f} s; first call {first:.2f} s){road}")
         extra = {"arrival": "offline persistent" if args.persistent else "offline", "relay_used": used}
-        rows += _rows(mode, {"throughput": ("tok/s", R * N / wall), "wall": ("s", wall), "first_call": ("s", first),
+        rows += _rows(mode, {"throughput": ("tok/s", throughput), "wall": ("s", wall), "first_call": ("s", first),
                              "ttft_p50": ("s", _percentile(lat["ttft"], 50)),
                              "ttft_p99": ("s", _percentile(lat["ttft"], 99)),
                              "tpot_p50": ("ms", _scaled(_percentile(lat["tpot"], 50))),

@@ -33,7 +33,8 @@ the same mode on 2 requests, or on the whole workload with ``--full-warm-up``: T
 first time a step's shapes need it), and for the continuous-batching modes ``ttft`` / ``tpot`` p50 and p99 from each
 request's token timestamps (time to its first token since it was added; time per output token after it).
 Online (``--rates``, requests per second; continuous-batching modes): the first ``--online-requests`` requests arrive
-as a Poisson process through ``init_continuous_batching().add_request``; ``throughput`` (new tokens / s from the first
+as a Poisson process through ``init_continuous_batching().add_request`` to a manager warmed up first (as
+``transformers serve`` warms its manager before it takes requests); ``throughput`` (new tokens / s from the first
 arrival to the last result), ``ttft`` and ``tpot`` p50 / p99. Rows go to ``benchmarks/data/serve.csv`` (``--csv``).
 """
 
@@ -136,6 +137,7 @@ def online(model, mode: str, inputs: list[list[int]], N: int, rate: float, args,
     model.destroy_cached_continuous_batching_manager()  # a kept offline manager holds the cache's memory
     manager = model.init_continuous_batching(generation_config=generation_config(model, N),
                                              continuous_batching_config=cb_config(args, mode))
+    manager.warmup()  # as transformers serve does before it takes requests: the clock starts on a warm manager
     manager.start()
     results = []
     try:

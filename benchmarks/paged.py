@@ -55,6 +55,7 @@ VARIANTS = {
     "stages2": dict(stages=2),
     "stages4": dict(stages=4),
     "k64_s4_sw4": dict(prefix_keys=64, suffix_keys=64, max_splits=4, suffix_warps=4),
+    "merge_launch": dict(suffix_merges=False),
 }
 TUNE_CASES = [(128, 2048, 1), (32, 2048, 1), (128, 2048, 4)]
 

@@ -87,32 +87,57 @@ CASES = {
 }
 
 
-@pytest.mark.parametrize("triton", [True, False], ids=["triton", "torch"])
+@pytest.mark.parametrize("path", ["triton", "triton merged", "torch"])
 @pytest.mark.parametrize("case", list(CASES))
-def test_matches_float64_oracle_and_writes_the_new_token(case, triton):
+def test_matches_float64_oracle_and_writes_the_new_token(case, path):
+    # "triton": split suffixes and a merge launch; "triton merged": the suffix units merge the prefix partials
     page_size, lens, shared = CASES[case]
     step = _step(zlib.crc32(case.encode()) % 1000, page_size, lens, shared, pad_rows=1)
     expected, kc, vc = _oracle(*step, scale=0.3)
+    triton = path != "torch"
     q, k_cache, v_cache, k, v, table, past = _on(DEVICE if triton else "cpu", step)
     run = paged.paged_relay_triton if triton else paged.paged_attention_torch
     groups = grouping.share_groups(table, past, page_size, rows_per_tile=2) if triton else None
-    extra = dict(groups=groups, prefix_splits=2, suffix_splits=2) if triton else {}
+    splits = 1 if path == "triton merged" else 2
+    extra = dict(groups=groups, prefix_splits=splits, suffix_splits=splits) if triton else {}
     out = run(q, k_cache, v_cache, k, v, table, past, 0.3, 0.0, None, **extra)
     torch.testing.assert_close(out.double().cpu(), expected, atol=2e-5, rtol=2e-5)
     torch.testing.assert_close(k_cache.double().cpu(), kc, atol=0, rtol=0)
     torch.testing.assert_close(v_cache.double().cpu(), vc, atol=0, rtol=0)
 
 
+@pytest.mark.parametrize("splits", [None, 1, 2], ids=["interface", "merged", "merge launch"])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-def test_half_precision_softcap_and_sinks(dtype):
+def test_half_precision_softcap_and_sinks(dtype, splits):
     step = _step(7, 4, [13, 14, 12, 18], [("sys", 3)] * 4, kv_heads=1, group=4, dtype=dtype)
     sinks = torch.randn(4)
     expected, _, _ = _oracle(*step, scale=0.25, softcap=5.0, sinks=sinks)
     q, k_cache, v_cache, k, v, table, past = _on(DEVICE, step)
-    out = kernel.flash_attn_with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens=past, block_table=table,
-                                         softmax_scale=0.25, softcap=5.0, s_aux=sinks.to(DEVICE))
+    if splits is None:
+        out = kernel.flash_attn_with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens=past, block_table=table,
+                                             softmax_scale=0.25, softcap=5.0, s_aux=sinks.to(DEVICE))
+    else:
+        out = paged.paged_relay_triton(q, k_cache, v_cache, k, v, table, past, 0.25, 5.0, sinks.to(DEVICE),
+                                       prefix_splits=splits, suffix_splits=splits)
     tol = 2e-2 if dtype == torch.bfloat16 else 4e-3
     torch.testing.assert_close(out.double().cpu(), expected, atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("splits", [1, 2])
+def test_without_a_new_token_attends_to_the_cached_tokens(splits):
+    # k = v = None: nothing written, each row attends to its cache_seqlens tokens (0: none, zeros)
+    step = _step(29, 4, [13, 14, 0, 18], [("sys", 3), ("sys", 3), ("x", 0), ("sys", 3)], pad_rows=1)
+    q, k_cache, v_cache, _, _, table, past = step
+    last = (past - 1).clamp(min=0).long()  # the oracle "writes" the token already at past - 1 and attends to past
+    pages = table[torch.arange(len(past)), last // 4].long()
+    expected, _, _ = _oracle(q, k_cache, v_cache, k_cache[pages, last % 4][:, None], v_cache[pages, last % 4][:, None],
+                             table, torch.where(past > 0, past - 1, -1), scale=0.3)
+    q, k_cache, v_cache, table, past = _on(DEVICE, (q, k_cache, v_cache, table, past))
+    before = k_cache.clone()
+    out = paged.paged_relay_triton(q, k_cache, v_cache, None, None, table, past, 0.3, 0.0, None,
+                                   prefix_splits=splits, suffix_splits=splits)
+    torch.testing.assert_close(out.double().cpu(), expected, atol=2e-5, rtol=2e-5)
+    assert torch.equal(k_cache, before)
 
 
 def test_groups_of_a_system_prompt_and_a_document():

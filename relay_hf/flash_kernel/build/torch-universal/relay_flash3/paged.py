@@ -10,8 +10,9 @@ Tensors (``B`` requests of the step, ``P`` pages of ``page_size`` tokens, ``M`` 
   this step (``-1``: a padding row, which writes nothing and gets zeros);
 * ``s_aux [H_q]`` optional attention-sink logits (natural log, not scaled).
 
-On CUDA (or under ``TRITON_INTERPRET=1``) the step runs as ``grouping.share_groups`` plus four launches (write,
-prefix partials, suffix partials, merge) with static shapes: it can be captured in a CUDA graph. The groups are
+On CUDA (or under ``TRITON_INTERPRET=1``) the step runs as ``grouping.share_groups`` plus two launches (prefix
+partials; suffix units that write the new token and merge), or three where the suffix is split (a merge launch), with
+static shapes: it can be captured in a CUDA graph. The groups are
 derived once per step: by the first layer, recognised by its ``k_cache`` pointer (``_StepGroups``); the other layers
 of the step read them. Elsewhere a PyTorch path computes the same attention row by row.
 """
@@ -47,7 +48,9 @@ class Tiles:
       each costs an fp32 partial output per row, written and merged);
     * ``prefix_programs``: programs per KV head and split looping over a step's live prefix tiles;
     * ``prefix_warps`` / ``suffix_warps``: warps per program (``None``: 8 from head size 128 up, else 4; head size
-      256 spills at 4); ``stages``: software-pipelining depth of the key loops (``None``: Triton's default)."""
+      256 spills at 4); ``stages``: software-pipelining depth of the key loops (``None``: Triton's default);
+    * ``suffix_merges``: an unsplit suffix unit merges its row's prefix partials and writes the output (no merge
+      launch, no suffix partial); ``False``: a merge launch always."""
 
     prefix_rows: int = 64
     prefix_keys: int = 32
@@ -57,6 +60,7 @@ class Tiles:
     prefix_warps: int | None = None
     suffix_warps: int | None = None
     stages: int | None = None
+    suffix_merges: bool = True
 
     def rows_per_tile(self, group: int) -> int:
         """Members of one prefix tile for ``group`` query heads per KV head."""
@@ -190,19 +194,18 @@ def _paged_relay_triton(q, k_cache, v_cache, k, v, block_table, past, scale, sof
     group = heads // kv_heads
     rows_per_tile = tiles.rows_per_tile(group)
     block_d = max(16, _pow2(dim))
-    if k is not None:
-        paged_jit._write_kernel[(batch, kv_heads)](k, v, k_cache, v_cache, block_table, past, _st(k), _st(v),
-                                                   k_cache.stride(), v_cache.stride(), block_table.stride(0),
-                                                   page_size, dim, BLOCK_D=block_d)
     if groups is None:
         groups = _STEP_GROUPS.get(block_table, past, k_cache, page_size, rows_per_tile)
     programs = min(batch, tiles.prefix_programs)
     s_prefix = prefix_splits or _splits(q.device, kv_heads, min(programs, max(1, batch // rows_per_tile)),
                                         tiles.max_splits)
     s_suffix = suffix_splits or _splits(q.device, kv_heads, batch, tiles.max_splits)
-    slots = 2 * s_prefix + s_suffix
+    merge = tiles.suffix_merges and s_suffix == 1  # else a merge launch reads the suffix partials too
+    slots = 2 * s_prefix + (0 if merge else s_suffix)
+    # no -inf fill: which slots of a row hold a result follows from its groups (paged_jit's docstring)
     po = torch.empty(slots, batch, heads, dim, device=q.device, dtype=torch.float32)
-    plse = torch.full((slots, batch, heads), float("-inf"), device=q.device, dtype=torch.float32)
+    plse = torch.empty(slots, batch, heads, device=q.device, dtype=torch.float32)
+    out = torch.empty_like(q)
     # log2-domain factor on q.k; with a softcap it is the tanh's argument scale * log2(e) / softcap instead
     scale_log2 = scale / math.log(2.0) / (softcap if softcap else 1.0)
     # fp32 products in fp32 (exact to the oracle); bf16 too on the CPU interpreter, whose bf16 products are wrong
@@ -211,20 +214,24 @@ def _paged_relay_triton(q, k_cache, v_cache, k, v, block_table, past, scale, sof
     warps = 8 if block_d >= 128 else 4
     common = dict(BLOCK_D=block_d, SOFTCAP=bool(softcap), IEEE=ieee,
                   **({} if tiles.stages is None else {"num_stages": tiles.stages}))
-    strides = (_st(q), k_cache.stride(), v_cache.stride(), po.stride(), plse.stride())
     paged_jit._prefix_kernel[(programs, kv_heads, s_prefix)](
         q, k_cache, v_cache, block_table, groups.tiles, groups.counts, groups.members, groups.bounds, po, plse,
-        *strides, batch, block_table.stride(0), page_size, group, dim, scale_log2, float(softcap), PROGRAMS=programs,
-        ROWS_PER_TILE=rows_per_tile, BLOCK_M=max(16, _pow2(rows_per_tile * group)), SPLITS=s_prefix,
-        BLOCK_N=tiles.prefix_keys, num_warps=tiles.prefix_warps or warps, **common)
-    paged_jit._suffix_kernel[(batch, kv_heads, s_suffix)](
-        q, k_cache, v_cache, block_table, past, groups.bounds, po, plse, *strides, block_table.stride(0), page_size,
-        group, dim, scale_log2, float(softcap), 2 * s_prefix, BLOCK_M=max(16, _pow2(group)), SPLITS=s_suffix,
-        BLOCK_N=tiles.suffix_keys, num_warps=tiles.suffix_warps or warps, WROTE=int(k is not None), **common)
-    out = torch.empty_like(q)
+        _st(q), k_cache.stride(), v_cache.stride(), po.stride(), plse.stride(), batch, block_table.stride(0),
+        page_size, group, dim, scale_log2, float(softcap), PROGRAMS=programs, ROWS_PER_TILE=rows_per_tile,
+        BLOCK_M=max(16, _pow2(rows_per_tile * group)), SPLITS=s_prefix, BLOCK_N=tiles.prefix_keys,
+        num_warps=tiles.prefix_warps or warps, **common)
+    new_k, new_v = (k, v) if k is not None else (q, q)  # without a new token the pointers are never read
     sinks = s_aux if s_aux is not None else plse
-    paged_jit._merge_kernel[(batch, heads)](po, plse, out, sinks, po.stride(), plse.stride(), _st(out), dim, slots,
-                                            BLOCK_S=_pow2(slots), BLOCK_D=block_d, HAS_SINKS=s_aux is not None)
+    paged_jit._suffix_kernel[(batch, kv_heads, s_suffix)](
+        q, new_k, new_v, k_cache, v_cache, block_table, past, groups.bounds, po, plse, out, sinks, _st(q),
+        _st(new_k), _st(new_v), k_cache.stride(), v_cache.stride(), po.stride(), plse.stride(), _st(out),
+        block_table.stride(0), page_size, group, dim, scale_log2, float(softcap), PREFIX_SPLITS=s_prefix,
+        BLOCK_M=max(16, _pow2(group)), SPLITS=s_suffix, BLOCK_N=tiles.suffix_keys, WRITE=k is not None, MERGE=merge,
+        HAS_SINKS=s_aux is not None, num_warps=tiles.suffix_warps or warps, **common)
+    if not merge:
+        paged_jit._merge_kernel[(batch, heads)](po, plse, out, sinks, groups.bounds, po.stride(), plse.stride(),
+                                                _st(out), dim, slots, PREFIX_SPLITS=s_prefix, BLOCK_S=_pow2(slots),
+                                                BLOCK_D=block_d, HAS_SINKS=s_aux is not None)
     return out
 
 

@@ -3,8 +3,8 @@ attention) against its bandwidth floor and against the same kernel over a table 
 
     python -m benchmarks.paged                                     # 128 requests x (2048 shared + 128 own), bf16
     python -m benchmarks.paged --requests 32 128 256 --groups 1 4 --tune   # tile variants timed first
-    python -m benchmarks.paged --device cpu --dtype float32 --heads 4 2 --head-dim 16 --prefix-len 32 \\
-        --own-len 8 --requests 4 --page-size 16                    # the CPU smoke run (Triton's interpreter)
+    TRITON_INTERPRET=1 python -m benchmarks.paged --device cpu --dtype float32 --heads 4 2 --head-dim 16 \\
+        --prefix-len 32 --own-len 8 --requests 4 --page-size 16    # the CPU smoke run (Triton's interpreter)
 
 A point is R requests, one decode query each, under ``--groups`` system prompts of S tokens (whole pages, shared in
 the block table as transformers' block sharing leaves them), each request with ``--own-len`` tokens of its own pages,

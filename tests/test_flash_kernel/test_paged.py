@@ -240,16 +240,30 @@ def test_more_live_tiles_than_programs_are_all_served():
     torch.testing.assert_close(out.double().cpu(), expected, atol=2e-5, rtol=2e-5)
 
 
+def _live(groups) -> tuple:
+    """``Groups`` as plain lists, the tile rows past each level's live ones left out (their content is unused)."""
+    tiles, counts, batch = groups.tiles.tolist(), groups.counts.tolist(), groups.members.shape[1]
+    return (tiles[:counts[0]], tiles[batch:batch + counts[1]], counts, groups.members.tolist(),
+            groups.bounds.tolist())
+
+
+@pytest.mark.parametrize("triton", [False, True], ids=["torch", "triton"])
 @pytest.mark.parametrize("seed", range(40))
-def test_random_groups_share_only_complete_identical_pages_and_cover_every_row(seed):
+def test_random_groups_share_only_complete_identical_pages_and_cover_every_row(seed, triton):
+    # the one-program grouping kernel and the tensor formulation derive the same tables
     gen = torch.Generator().manual_seed(seed)
-    batch = int(torch.randint(1, 12, (1,), generator=gen))
+    batch = int(torch.randint(1, 12 if seed < 30 else 90, (1,), generator=gen))
     lens = torch.randint(0, 40, (batch,), generator=gen).tolist()
     keys = torch.randint(0, 3, (batch,), generator=gen).tolist()
     shared = [(f"p{k}", int(torch.randint(0, 6, (1,), generator=gen))) for k in keys]
     _, _, _, _, _, table, past = _step(seed, 4, lens, shared, pad_rows=int(seed % 3 == 0), partial_shared=True)
     complete = torch.where(past >= 0, past // 4, 0)
-    groups = grouping.share_groups(table, past, 4, rows_per_tile=int(torch.randint(1, 4, (1,), generator=gen)))
+    rows_per_tile = int(torch.randint(1, 4, (1,), generator=gen))
+    groups = grouping.share_groups_torch(table, past, 4, rows_per_tile)
+    if triton:
+        derived = grouping.share_groups(table.to(DEVICE), past.to(DEVICE), 4, rows_per_tile, triton=True)
+        assert _live(derived) == _live(groups)
+        assert derived.tiles[derived.counts[0]:batch + 1 if seed % 3 == 0 else batch].eq(0).all()
     bounds, members = groups.bounds.tolist(), groups.members.tolist()
     seen = {1: [], 2: []}
     for level, lead, first, count in groups.tiles.tolist():

@@ -5,7 +5,7 @@ batching calls.
   reads a run of leading pages shared by several requests (their prefix) once for all of them, each request's
   suffix (its other pages) apart, and merges the parts exactly by log-sum-exp. The grouping is derived on the
   device from the block table, so the call can be captured in a CUDA graph and replayed at any mix of requests
-  (``paged.py``, ``grouping.py``).
+  (``paged.py``, ``grouping.py``, ``grouping_jit.py``).
 * ``flash_attn_varlen_func`` — packed variable-length attention (prefill and mixed steps; ``varlen.py``);
   ``flash_attn_func`` the same for a batch of equal lengths (``dense.py``).
 

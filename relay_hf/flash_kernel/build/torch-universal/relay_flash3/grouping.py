@@ -30,9 +30,15 @@ Tensors (all int32 unless said otherwise; ``B`` rows of the step, ``M`` block-ta
 
 from __future__ import annotations
 
+import os
 from typing import NamedTuple
 
 import torch
+
+try:
+    from . import grouping_jit
+except ImportError:  # pragma: no cover
+    grouping_jit = None
 
 
 class Groups(NamedTuple):
@@ -86,8 +92,34 @@ def _tiles(level: int, leader: torch.Tensor, size: torch.Tensor, pages: torch.Te
     return table, members, ends[-1:]
 
 
-def share_groups(block_table: torch.Tensor, past: torch.Tensor, page_size: int, rows_per_tile: int) -> Groups:
-    """The step's groups (module docstring), from ``block_table [B, M]`` and ``past [B]`` tokens already cached.
+def share_groups(block_table: torch.Tensor, past: torch.Tensor, page_size: int, rows_per_tile: int,
+                 triton: bool | None = None) -> Groups:
+    """The step's groups (module docstring), from ``block_table [B, M]`` and ``past [B]`` tokens already cached:
+    one Triton program (``grouping_jit``) where Triton runs (CUDA, or its CPU interpreter) and the step has at most
+    ``grouping_jit.MAX_ROWS`` rows, else ``share_groups_torch``. ``triton`` forces the choice (tests)."""
+    batch, columns = block_table.shape
+    if triton is None:
+        triton = (grouping_jit is not None and grouping_jit.HAS_TRITON and 0 < batch <= grouping_jit.MAX_ROWS
+                  and columns > 0
+                  and (block_table.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"))
+    if not triton:
+        return share_groups_torch(block_table, past, page_size, rows_per_tile)
+    device = block_table.device
+    table = block_table.to(torch.int32)
+    table = table if table.stride(-1) == 1 else table.contiguous()
+    work = torch.empty(grouping_jit.ROWS, batch, device=device, dtype=torch.int32)
+    tiles = torch.empty(2 * batch, 4, device=device, dtype=torch.int32)
+    counts = torch.empty(2, device=device, dtype=torch.int32)
+    members = torch.empty(2, batch, device=device, dtype=torch.int32)
+    bounds = torch.empty(batch, 3, device=device, dtype=torch.int32)
+    grouping_jit._groups_kernel[(1,)](table, past.to(torch.int32).contiguous(), work, tiles, counts,
+                                      members, bounds, table.stride(0), batch, columns, page_size, rows_per_tile,
+                                      CHUNK=grouping_jit.CHUNK, COLUMNS=grouping_jit.COLUMNS, num_warps=4)
+    return Groups(tiles, counts, members, bounds)
+
+
+def share_groups_torch(block_table: torch.Tensor, past: torch.Tensor, page_size: int, rows_per_tile: int) -> Groups:
+    """``share_groups`` as tensor operations (the CPU path, large steps, and the kernel's reference).
 
     Sharing a run of leading pages is transitive (the ids are identical), so a level's groups are rows with the same
     page at one column: column 0 for level 1, the column after the group's prefix for level 2. ``[B, B]`` and

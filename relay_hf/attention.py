@@ -164,9 +164,9 @@ def _check_relay_call(module, key: RelayKV, dropout: float, sliding_window, kwar
         raise ValueError("relay attention does not implement attention dropout; call model.eval()")
     if kwargs.get("is_causal") is False or not getattr(module, "is_causal", True):
         raise ValueError("relay attention is causal; this attention module is not")
-    unknown = sorted(k for k, v in kwargs.items() if v is not None and k in _UNSERVED)
+    unknown = [k for k in _UNSERVED if kwargs.get(k) is not None]
     if unknown:
-        raise ValueError(f"relay attention does not support `{unknown[0]}`; relay_hf.patch should have declined")
+        raise ValueError(f"relay attention does not support `{min(unknown)}`; relay_hf.patch should have declined")
     groups = key.step.groups
     trimmed = groups.window if groups is not None else None
     if trimmed is not None and sliding_window != trimmed:  # the dropped keys would be missing: refuse, never guess
@@ -206,8 +206,8 @@ def relay_attention_forward(module: torch.nn.Module, query: torch.Tensor, key, v
                              "or a sliding-window model): pass the RelayCache to a relay_hf.patch'ed model's "
                              "generate, which lays the rows out")
     options = _step_options(module_options(module, scaling, sliding_window, kwargs), key)
-    out = attend(step, options, query, key.prefix, value.prefix, key.suffix, value.suffix)  # [B, H_q, L_q, D_v]
-    return out.transpose(1, 2).contiguous(), None
+    # hf_layout (True): [B, L_q, H_q, D_v] contiguous, on the kernels' eager road their output buffer as it is
+    return attend(step, options, query, key.prefix, value.prefix, key.suffix, value.suffix, True), None
 
 
 def register() -> None:

@@ -10,6 +10,9 @@ from .options import AttentionOptions, options_of
 from .reference import check_prefix_groups, default_scale, relay_attention_torch
 
 _TRITON_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+# a free function's step when every row reads the whole prefix and all of its suffix (frozen, keeping no plans: one
+# object serves every such call)
+_WHOLE_ROWS = StepMetadata(None, None, None, None)
 
 
 def _triton_ok() -> bool:
@@ -35,13 +38,17 @@ def _eager_planner():
     return _PLAN_FOR
 
 
+_PLAIN_TYPES = frozenset((torch.Tensor, type(None)))  # what a plain eager call's tensor arguments are
+
+
 def _plain_eager(*tensors: torch.Tensor | None) -> bool:
     """Nothing records this call: no ``torch.compile`` trace, no dispatch mode (``make_fx``, fake tensors), plain
     tensors, no autograd. Then the kernels may launch directly; otherwise the custom op keeps the call visible."""
     if torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack():
         return False
-    grad = torch.is_grad_enabled()
-    return all(t is None or (type(t) is torch.Tensor and not (grad and t.requires_grad)) for t in tensors)
+    if torch.is_grad_enabled():
+        return all(t is None or (type(t) is torch.Tensor and not t.requires_grad) for t in tensors)
+    return _PLAIN_TYPES.issuperset(map(type, tensors))  # no grad (generate, inference): the types alone
 
 
 def triton_serves(dtype: torch.dtype, head_dim: int, value_head_dim: int, scale: float | None) -> bool:
@@ -122,16 +129,23 @@ def relay_attention(query: torch.Tensor, prefix_key: torch.Tensor, prefix_value:
     kernels are tested against. Eager CUDA calls launch the kernels directly; under ``torch.compile``, or with inputs
     that require grad, they go through the custom op ``torch.ops.relay_hf.relay_attention``.
     """
-    step = StepMetadata(suffix_lengths, suffix_end, prefix_groups)
+    # a call of its own: no holder keeps its plan (plans=None), which is its layout's (plan.plan_relay)
+    if suffix_lengths is None and suffix_end is None and prefix_groups is None:
+        step = _WHOLE_ROWS
+    else:
+        step = StepMetadata(suffix_lengths, suffix_end, prefix_groups, None)
     return attend(step, options_of(options), query, prefix_key, prefix_value, suffix_key, suffix_value)
 
 
 def attend(step: StepMetadata, options: AttentionOptions, query: torch.Tensor, prefix_key: torch.Tensor,
-           prefix_value: torch.Tensor, suffix_key: torch.Tensor, suffix_value: torch.Tensor) -> torch.Tensor:
+           prefix_value: torch.Tensor, suffix_key: torch.Tensor, suffix_value: torch.Tensor,
+           hf_layout: bool = False) -> torch.Tensor:
     """``relay_attention`` on a step's layout (``StepMetadata``) with a module's ``AttentionOptions``: what the HF
     glue calls once per layer. Eager CUDA calls run the step's plan (``plan.plan_for``: planned by the step's first
     layer, found in ``step.plans`` by the others); compiled or recorded calls go through the custom op; everything
-    the kernels do not serve runs the reference. Tensors and result as in ``relay_attention``."""
+    the kernels do not serve runs the reference. Tensors and result as in ``relay_attention``; ``hf_layout``: the
+    result as an HF attention function returns it instead, ``[B, L_q, H_q, D_v]`` contiguous (on the kernels'
+    eager road their output buffer itself, with no view made)."""
     if query.is_cuda and triton_serves(query.dtype, query.shape[-1], prefix_value.shape[-1], options.scale):
         lengths, end = step.suffix_lengths, step.suffix_end
         if not _plain_eager(query, prefix_key, prefix_value, suffix_key, suffix_value, lengths, end, options.sinks):
@@ -140,17 +154,20 @@ def attend(step: StepMetadata, options: AttentionOptions, query: torch.Tensor, p
 
                 options.check(query)  # the op's encoding reads a cap or window of 0 as none: refuse them first
                 tables = _tables_for_op(query, suffix_key.shape[1], prefix_key.shape[2], step.groups)
-                return relay_attention_op(query, prefix_key, prefix_value, suffix_key, suffix_value,
-                                          options.op_values(default_scale(query.shape[-1])), lengths, end,
-                                          options.sinks, *tables)
+                out = relay_attention_op(query, prefix_key, prefix_value, suffix_key, suffix_value,
+                                         options.op_values(default_scale(query.shape[-1])), lengths, end,
+                                         options.sinks, *tables)
+                return out.transpose(1, 2).contiguous() if hf_layout else out
         elif _eager_planner():
             # the kernels without the custom op's dispatch, which costs more host time than the whole launch
             # (docs/performance.md)
             plan = _PLAN_FOR(step, options, query, prefix_key, prefix_value, suffix_key, suffix_value)
-            return plan.run(query, prefix_key, prefix_value, suffix_key, suffix_value, lengths, end, options.sinks)
-    return relay_attention_torch(query, prefix_key, prefix_value, suffix_key, suffix_value,
-                                 suffix_lengths=step.suffix_lengths, suffix_end=step.suffix_end,
-                                 prefix_groups=step.groups, **options.reference_kwargs())
+            return plan.run(query, prefix_key, prefix_value, suffix_key, suffix_value, lengths, end, options.sinks,
+                            hf_layout=hf_layout)
+    out = relay_attention_torch(query, prefix_key, prefix_value, suffix_key, suffix_value,
+                                suffix_lengths=step.suffix_lengths, suffix_end=step.suffix_end,
+                                prefix_groups=step.groups, **options.reference_kwargs())
+    return out.transpose(1, 2).contiguous() if hf_layout else out
 
 
 def _tables_for_op(query: torch.Tensor, H_kv: int, P: int, groups: PrefixGroups | GroupTables | None) -> tuple:

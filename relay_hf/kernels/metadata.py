@@ -33,6 +33,8 @@ class StepMetadata:
             ``GroupTables`` built ahead), or ``None``: every row reads the whole prefix.
         plans: the kernel plans of this layout by ``AttentionOptions.key`` (``plan.plan_for``), shared by the layers
             that read this layout; not part of the layout (a fresh dict per object unless the holder hands one over).
+            ``None``: no holder keeps plans for this step (a free function's call, made once): its plan is its
+            layout's, found by ``plan.plan_relay`` alone.
 
     Identity is equality: two steps are the same step only as one object.
     """
@@ -40,7 +42,7 @@ class StepMetadata:
     suffix_lengths: torch.Tensor | None = None
     suffix_end: torch.Tensor | None = None
     groups: PrefixGroups | GroupTables | None = None
-    plans: dict = field(default_factory=dict, compare=False, repr=False)
+    plans: dict | None = field(default_factory=dict, compare=False, repr=False)
 
     def with_lengths(self, suffix_lengths: torch.Tensor | None) -> StepMetadata:
         """The same layout with the rows' valid lengths given (the dynamic cache's attention mask knows them); the

@@ -30,7 +30,7 @@ def relay_attention_op(query: torch.Tensor, prefix_key: torch.Tensor, prefix_val
     prefix lengths, ``[levels, segments]``). The kernel configuration is the one ``config.use_config`` set when the op
     runs (``DEFAULT_CONFIG`` otherwise). The op holds no step, so its plan is the layout's (``plan.plan_relay``)."""
     groups = None if group_shape is None else GroupTables(group_items, group_rows, group_row_prefix, *group_shape)
-    step = StepMetadata(suffix_lengths, suffix_end, groups)
+    step = StepMetadata(suffix_lengths, suffix_end, groups, None)  # held by no caller: no plans to keep
     plan = plan_relay(step, AttentionOptions.from_op(options, sinks), query, prefix_key, prefix_value, suffix_key,
                       suffix_value)
     return plan.run(query, prefix_key, prefix_value, suffix_key, suffix_value, suffix_lengths, suffix_end, sinks)

@@ -110,12 +110,15 @@ class AttentionOptions:
 
 
 OPTION_NAMES = ("scale", "softcap", "window", "sinks")
+_NO_OPTIONS = AttentionOptions()  # a free function's call that names no option (frozen: one object serves them all)
 
 
 def options_of(kwargs: dict) -> AttentionOptions:
     """``AttentionOptions`` from a free function's keyword arguments; ``TypeError`` naming any other keyword (as a
     Python signature would)."""
-    unknown = sorted(set(kwargs) - set(OPTION_NAMES))
+    if not kwargs:
+        return _NO_OPTIONS
+    unknown = sorted(kwargs.keys() - OPTION_NAMES)
     if unknown:
         raise TypeError(f"unexpected keyword argument {unknown[0]!r} (attention options: {', '.join(OPTION_NAMES)})")
     return AttentionOptions(**kwargs)

@@ -79,16 +79,20 @@ def plan_for(step: StepMetadata, options: AttentionOptions, query: torch.Tensor,
              prefix_value: torch.Tensor, suffix_key: torch.Tensor, suffix_value: torch.Tensor) -> RelayPlan:
     """The plan of a call with these options and tensors on ``step``'s layout: the one an earlier layer of the step
     made, when the tensors are laid out as its own (``RelayPlan.fits``), else ``plan_relay``'s, kept in
-    ``step.plans`` for the layers after."""
+    ``step.plans`` for the layers after (a step without ``plans`` keeps nothing: ``plan_relay``'s plan)."""
     config = active_config()
-    plan = step.plans.get(options.key)
+    plans = step.plans
+    if plans is None:
+        return plan_relay(step, options, query, prefix_key, prefix_value, suffix_key, suffix_value, config)
+    key = options.key
+    plan = plans.get(key)
     if plan is None or not plan.fits(step, config, query, prefix_key, prefix_value, suffix_key, suffix_value):
-        plan = plan_relay(step, options, query, prefix_key, prefix_value, suffix_key, suffix_value, config)
-        step.plans[options.key] = plan
+        plan = plans[key] = plan_relay(step, options, query, prefix_key, prefix_value, suffix_key, suffix_value,
+                                       config)
     elif plan.tables is not None and query.is_cuda and torch.cuda.is_current_stream_capturing():
         # a graph replays the group tables it records: only pinned ones will do (PrefixGroups.tables refuses others
         # while capturing), and tables pinned after this plan was bound replace the ones it holds
-        plan = step.plans[options.key] = plan.bind(step.groups, again=True)
+        plan = plans[key] = plan.bind(step.groups, again=True)
     return plan
 
 
@@ -122,10 +126,10 @@ class RelayPlan:
         # what ``fits`` compares: the tensors' layout as far as a later call of the same step may differ from it
         self.shapes = _shapes(query, prefix_key, prefix_value, suffix_key, suffix_value)
         self.extents = _extents(step)
-        # the result [B, H_q, L_q, D], laid out as the transpose of a contiguous [B, L_q, H_q, D] buffer (so the HF
-        # seam's transpose(1, 2).contiguous() is free): allocated with these strides in one call
-        self.result_shape = (B, H_q, L_q, D)
-        self.out_strides = torch.empty((B, L_q, H_q, D), device="meta").transpose(1, 2).stride()
+        # the result [B, H_q, L_q, D], laid out as the transpose of a contiguous [B, L_q, H_q, D] buffer: allocated
+        # with these strides in one call, or (``run(hf_layout=True)``, the HF seam) that buffer itself, taken as it is
+        self.result_shape, self.buffer_shape = (B, H_q, L_q, D), (B, L_q, H_q, D)
+        self.out_strides = torch.empty(self.buffer_shape, device="meta").transpose(1, 2).stride()
         self.empty = N * D == 0
         self.check_values = query.device.type == "cpu"  # value checks cost no sync only there (check_relay_values)
         self.L_q, self.L_s = L_q, L_s
@@ -188,26 +192,32 @@ class RelayPlan:
     def run(self, query: torch.Tensor, prefix_key: torch.Tensor, prefix_value: torch.Tensor,
             suffix_key: torch.Tensor, suffix_value: torch.Tensor, suffix_lengths: torch.Tensor | None = None,
             suffix_end: torch.Tensor | None = None, sinks: torch.Tensor | None = None,
-            out: torch.Tensor | None = None) -> torch.Tensor:
+            out: torch.Tensor | None = None, *, hf_layout: bool = False) -> torch.Tensor:
         """One call: ``[B, H_q, L_q, D]`` in the query's dtype (into ``out`` when given; by default the transpose of a
-        contiguous ``[B, L_q, H_q, D]`` buffer). The tensors must be laid out as the ones the plan was made for (the
-        same ``plan_key``; the caller holding the plan answers for it): ``suffix_lengths`` / ``suffix_end`` the
-        step's extents (``StepMetadata``), ``sinks`` the options' sinks."""
+        contiguous ``[B, L_q, H_q, D]`` buffer; ``hf_layout`` and no ``out``: that buffer itself, the layout an HF
+        attention function returns, with no transposed view made). The tensors must be laid out as the ones the
+        plan was made for (the same ``plan_key``; the caller holding the plan answers for it): ``suffix_lengths`` /
+        ``suffix_end`` the step's extents (``StepMetadata``), ``sinks`` the options' sinks."""
         if self.check_values:
             check_relay_values(self.L_q, self.L_s, suffix_lengths, suffix_end)
         scale_log2, cap, cap_scale = self.scalars
-        if out is None:
-            out = torch.empty_strided(self.result_shape, self.out_strides, dtype=self.dtype, device=self.device)
-        elif out.shape != self.result_shape or out.dtype != self.dtype or out.device != self.device:
-            raise ValueError(f"out must be a {self.dtype} {list(self.result_shape)} tensor on {self.device}, got "
-                             f"{out.dtype} {tuple(out.shape)} on {out.device}")
+        if out is not None:
+            if out.shape != self.result_shape or out.dtype != self.dtype or out.device != self.device:
+                raise ValueError(f"out must be a {self.dtype} {list(self.result_shape)} tensor on {self.device}, "
+                                 f"got {out.dtype} {tuple(out.shape)} on {out.device}")
+            o_st = out.stride()
+        else:  # the kernels write [B, H_q, L_q, D] through the strides of the buffer's transpose: only its address
+            o_st = self.out_strides
+            out = (torch.empty(self.buffer_shape, dtype=self.dtype, device=self.device) if hf_layout else
+                   torch.empty_strided(self.result_shape, o_st, dtype=self.dtype, device=self.device))
         if self.empty:
             return out
         po = torch.empty(self.po_shape, dtype=self.po_dtype, device=self.device)
         plse = torch.empty(self.plse_shape, dtype=torch.float32, device=self.device)
-        kd, vd = self.descriptors.get(prefix_key, prefix_value)
+        prefix_at = prefix_key.data_ptr(), prefix_value.data_ptr()  # read once: for the descriptors and the reuse key
+        kd, vd = self.descriptors.get(prefix_key, prefix_value, prefix_at)
         tma = kd is not None
-        q_st, sk_st, sv_st, o_st = query.stride(), suffix_key.stride(), suffix_value.stride(), out.stride()
+        q_st, sk_st, sv_st = query.stride(), suffix_key.stride(), suffix_value.stride()
         lens = plse if suffix_lengths is None else suffix_lengths  # placeholders, never read when absent
         end = plse if suffix_end is None else suffix_end
         items, rows, row_prefix = (plse, plse, plse) if self.tables is None else self.tables
@@ -223,8 +233,8 @@ class RelayPlan:
             # Triton specialises a kernel on its arguments' values (a unit stride, multiples of 16, 16-byte aligned
             # pointers): the plan key fixes all but the strides and alignment of these tensors, so those are this key;
             # scratch (po, plse, and plse as every placeholder) comes from the caching allocator, always aligned
-            ptrs = (query.data_ptr() | prefix_key.data_ptr() | prefix_value.data_ptr() | suffix_key.data_ptr()
-                    | suffix_value.data_ptr() | out.data_ptr())
+            ptrs = (query.data_ptr() | prefix_at[0] | prefix_at[1] | suffix_key.data_ptr() | suffix_value.data_ptr()
+                    | out.data_ptr())
             for t in (suffix_lengths, suffix_end, sinks):
                 if t is not None:
                     ptrs |= t.data_ptr()
@@ -232,7 +242,7 @@ class RelayPlan:
                 ptrs |= items.data_ptr() | rows.data_ptr() | row_prefix.data_ptr()
             if ptrs % 16 == 0:
                 reuse_key = (torch.cuda.current_device(), tma, q_st, sk_st, sv_st, o_st)
-                tma_key = (prefix_key.data_ptr(), prefix_value.data_ptr()) if tma else None
+                tma_key = prefix_at if tma else None
         self.launches.launch(args, merge_args, tma, reuse_key, tma_key)
         return out
 

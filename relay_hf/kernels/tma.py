@@ -70,11 +70,13 @@ class PrefixDescriptors:
         self.by_address = not interpreting() if by_address is None else by_address
         self.cache: dict[tuple[int, int], tuple] = {}
 
-    def get(self, prefix_key: torch.Tensor, prefix_value: torch.Tensor) -> tuple:
-        """``(kd, vd)`` TMA descriptors for this call's prefix, or ``(None, None)``: pointer loads."""
+    def get(self, prefix_key: torch.Tensor, prefix_value: torch.Tensor, ptrs: tuple[int, int] | None = None) -> tuple:
+        """``(kd, vd)`` TMA descriptors for this call's prefix, or ``(None, None)``: pointer loads. ``ptrs``: the
+        tensors' ``data_ptr()``s where the caller has read them already."""
         if not self.enabled:
             return None, None
-        ptrs = (prefix_key.data_ptr(), prefix_value.data_ptr())
+        if ptrs is None:
+            ptrs = (prefix_key.data_ptr(), prefix_value.data_ptr())
         if not self.by_address:
             if ptrs[0] % 16 or ptrs[1] % 16:
                 return None, None

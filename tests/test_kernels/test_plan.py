@@ -4,7 +4,7 @@ kernels' argument order pinned against their signatures (the direct launcher pas
 import pytest
 import torch
 
-from relay_hf.kernels import jit
+from relay_hf.kernels import attend, jit
 from relay_hf.kernels.device import triton_available
 from relay_hf.kernels.direct import constexpr_tail, runtime_params
 from relay_hf.kernels.metadata import StepMetadata
@@ -72,6 +72,16 @@ def test_a_later_layer_laid_out_otherwise_is_checked_again(name):
         plan_for(StepMetadata(lens.float(), None, None, step.plans), options, q, pk, pv, sk, sv)
 
 
+def test_a_step_without_plans_gets_its_layouts_plan_and_keeps_none():
+    """A free function's step (``plans=None``, held by no caller) plans nothing of its own: its plan is the one
+    ``plan_relay`` keeps for the layout, bound to its groups."""
+    q, pk, pv, sk, sv, lens = _layers(1)[0]
+    plan = plan_for(StepMetadata(lens, None, None, None), AttentionOptions(), q, pk, pv, sk, sv)
+    assert plan is planned(q, pk, pv, sk, sv, lens) and plan in cached_plans()
+    assert torch.equal(plan.run(q, pk, pv, sk, sv, lens), relay_attention_triton(q, pk, pv, sk, sv,
+                                                                                  suffix_lengths=lens))
+
+
 def test_modules_with_equal_options_share_the_step_plan():
     """Two modules' options objects with equal values find one plan; other values (a cap, a window) plan apart."""
     q, pk, pv, sk, sv, lens = _layers(1)[0]
@@ -98,11 +108,19 @@ def test_a_plan_keeps_its_layout_and_config():
 
 @pytest.mark.parametrize("L_q", [1, 3])
 def test_the_default_output_is_the_transpose_of_a_contiguous_buffer(L_q):
-    """The HF seam's ``out.transpose(1, 2).contiguous()`` costs nothing: the output is laid out ``[B, L_q, H_q, D]``."""
+    """The output is laid out ``[B, L_q, H_q, D]`` (the HF seam's layout): the seam takes that buffer itself."""
     q, pk, pv, sk, sv, lens = make_inputs(3, 2, 2, L_q, 9, 40, 64, padded=True, seed=L_q)
     out = relay_attention_triton(q, pk, pv, sk, sv, suffix_lengths=lens)
     assert out.shape == q.shape and out.transpose(1, 2).is_contiguous() and out.storage_offset() == 0
     assert out.untyped_storage().nbytes() == out.numel() * out.element_size()
+    # the seam asks for that buffer itself (hf_layout): the same values, no view in between
+    buffer = planned(q, pk, pv, sk, sv, lens).run(q, pk, pv, sk, sv, lens, hf_layout=True)
+    assert buffer.shape == out.transpose(1, 2).shape and buffer.is_contiguous() and buffer._base is None
+    assert torch.equal(buffer, out.transpose(1, 2))
+    step, options = StepMetadata(lens, None, None, {}), AttentionOptions()
+    reference = attend(step, options, q, pk, pv, sk, sv, True)  # CPU tensors: the reference, transposed for it
+    assert reference.is_contiguous()
+    assert torch.equal(reference, attend(step, options, q, pk, pv, sk, sv).transpose(1, 2))
 
 
 # a call laid out like a planned one but for one argument, which does not fit: the plan key holds every fact the

@@ -11,7 +11,9 @@ the second left-padded by 2, go through
   the model's own cache, then one decode step on that cache (under ``"relay"`` both run the model's own attention),
 * the relay computation, exactly as the patched ``generate`` runs it: ``RelayCache.from_prefix``, a fork carrying the
   rows' padding, the rows' suffixes in the relay layout ``[prefix | pads | suffix]`` (``relay_hf.prefix``), then one
-  decode step,
+  decode step, relay attention computed by its PyTorch reference on every device (``kernels.reference_only``: the
+  question is the model's structure, and on CUDA ``patch`` would otherwise wait for Triton to compile kernels for a
+  new head size, which the first call compiles anyway),
 
 and what both steps hand on at the last position is compared.
 
@@ -49,6 +51,7 @@ import torch
 
 from ._compat import cache_kwarg_name, output_cache
 from .cache import RelayCache
+from .kernels import reference_only
 from .probe_inputs import probe_inputs
 
 # max |relay - stock| over the logits (or the cut's hidden state), relative to max(max |stock value|, 1). fp32 /
@@ -387,9 +390,10 @@ def _relay_steps(model, inputs: dict, read) -> tuple[tuple, tuple]:
     ids, mask, step = inputs["relay_ids"], inputs["relay_mask"], inputs["step"]
     cache = RelayCache.from_prefix(model, inputs["prefix"]).fork(suffix_padding=inputs["n_pad"])
     kwargs = {cache_kwarg_name(model): cache, "use_cache": True}
-    first = read(_forward(model, ids[:, inputs["prefix"].numel():], mask, inputs, **kwargs))
-    mask = torch.cat([mask, torch.ones_like(step)], 1)
-    return first, read(_forward(model, step, mask, inputs, **kwargs))
+    with reference_only():  # what is probed is the model's structure: no kernel compiles while patching
+        first = read(_forward(model, ids[:, inputs["prefix"].numel():], mask, inputs, **kwargs))
+        mask = torch.cat([mask, torch.ones_like(step)], 1)
+        return first, read(_forward(model, step, mask, inputs, **kwargs))
 
 
 def compare_steps(stock, relay, rtol: float,

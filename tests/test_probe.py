@@ -336,10 +336,42 @@ def test_patch_accepts_with_the_probe_and_serves_relay():
     assert model.relay_last_decision.used and torch.equal(out, stock)
 
 
+def test_the_relay_side_runs_the_reference_for_this_thread_only(monkeypatch):
+    """The probe decides on structure: its relay attention calls run the PyTorch reference (on CUDA: no Triton kernel
+    compiled while patching), and only inside the probe, only on the probing thread."""
+    import threading
+
+    import relay_hf.kernels as kernels
+
+    seen, reference = [], kernels.relay_attention_torch
+
+    def spy(*args, **kwargs):
+        seen.append(kernels._REFERENCE_ONLY.get())
+        return reference(*args, **kwargs)
+
+    monkeypatch.setattr(kernels, "relay_attention_torch", spy)
+    assert probe_reason(on_relay(llama())) is None
+    assert seen and all(seen)
+    assert not kernels._REFERENCE_ONLY.get()
+    other = []
+    with kernels.reference_only():
+        thread = threading.Thread(target=lambda: other.append(kernels._REFERENCE_ONLY.get()))
+        thread.start()
+        thread.join()
+        assert kernels._REFERENCE_ONLY.get()
+    assert other == [False] and not kernels._REFERENCE_ONLY.get()
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-def test_accepts_standard_attention_on_cuda(dtype):
-    """On CUDA the relay side runs the Triton kernels; their numerics must sit inside the probe's tolerance."""
+def test_accepts_standard_attention_on_cuda(dtype, monkeypatch):
+    """On CUDA the probe's relay side runs the reference too: no kernel is planned (or compiled) while patching."""
+    import relay_hf.kernels as kernels
+
+    def no_kernels():
+        raise AssertionError("the probe planned a Triton kernel")
+
+    monkeypatch.setattr(kernels, "_eager_planner", no_kernels)
     assert probe_reason(on_relay(tiny_model("qwen2").to("cuda", dtype))) is None
     assert probe_reason(on_relay(tiny_model("diffllama").to("cuda", dtype))) is not None
 

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
+
 import torch
 
 from .groups import GroupTables, PrefixGroups
@@ -10,6 +13,8 @@ from .options import AttentionOptions, options_of
 from .reference import check_prefix_groups, default_scale, relay_attention_torch
 
 _TRITON_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+# True inside ``reference_only()`` (per thread / task: another caller's calls keep their kernels)
+_REFERENCE_ONLY = contextvars.ContextVar("relay_hf_reference_only", default=False)
 # a free function's step when every row reads the whole prefix and all of its suffix (frozen, keeping no plans: one
 # object serves every such call)
 _WHOLE_ROWS = StepMetadata(None, None, None, None)
@@ -49,6 +54,20 @@ def _plain_eager(*tensors: torch.Tensor | None) -> bool:
     if torch.is_grad_enabled():
         return all(t is None or (type(t) is torch.Tensor and not t.requires_grad) for t in tensors)
     return _PLAIN_TYPES.issuperset(map(type, tensors))  # no grad (generate, inference): the types alone
+
+
+@contextlib.contextmanager
+def reference_only():
+    """Inside the block this thread's relay attention runs the PyTorch reference on every device. For
+    ``relay_hf.patch``'s probe, which decides on the model's structure (is the KV handed over untouched, are the
+    positions right) at a few tokens: on CUDA it would otherwise compile the Triton kernels for a head size they have
+    not met (seconds) before ``patch`` returns, where the first call needs them anyway. The reference is the oracle
+    the kernels are tested against (``tests/test_kernels``)."""
+    token = _REFERENCE_ONLY.set(True)
+    try:
+        yield
+    finally:
+        _REFERENCE_ONLY.reset(token)
 
 
 def triton_serves(dtype: torch.dtype, head_dim: int, value_head_dim: int, scale: float | None) -> bool:
@@ -146,7 +165,8 @@ def attend(step: StepMetadata, options: AttentionOptions, query: torch.Tensor, p
     the kernels do not serve runs the reference. Tensors and result as in ``relay_attention``; ``hf_layout``: the
     result as an HF attention function returns it instead, ``[B, L_q, H_q, D_v]`` contiguous (on the kernels'
     eager road their output buffer itself, with no view made)."""
-    if query.is_cuda and triton_serves(query.dtype, query.shape[-1], prefix_value.shape[-1], options.scale):
+    if (query.is_cuda and triton_serves(query.dtype, query.shape[-1], prefix_value.shape[-1], options.scale)
+            and not _REFERENCE_ONLY.get()):
         lengths, end = step.suffix_lengths, step.suffix_end
         if not _plain_eager(query, prefix_key, prefix_value, suffix_key, suffix_value, lengths, end, options.sinks):
             if _triton_ok():
@@ -191,5 +211,5 @@ def _tables_for_op(query: torch.Tensor, H_kv: int, P: int, groups: PrefixGroups 
     return (*groups.tables(query.device, block_m, folded, items), [groups.depth, groups.segments_per_level])
 
 
-__all__ = ["AttentionOptions", "GroupTables", "PrefixGroups", "StepMetadata", "attend", "relay_attention",
-           "relay_attention_torch", "triton_serves"]
+__all__ = ["AttentionOptions", "GroupTables", "PrefixGroups", "StepMetadata", "attend", "reference_only",
+           "relay_attention", "relay_attention_torch", "triton_serves"]

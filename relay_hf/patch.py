@@ -112,10 +112,10 @@ def patch(model, *, min_prefix_length: int = DEFAULT_MIN_PREFIX_LENGTH, decode: 
     that does more than hand its KV to the attention function...) keeps its attention; a ``RelayFallbackWarning``
     says why and ``generate`` stays stock.
 
-    Time: ``patch`` runs a probe forward through relay's kernels; on CUDA, the first model of a head size the
-    kernels have not met in this process compiles them (Triton): about 5 s on an H200, once per process and head size
-    (another model of that head size, or a second ``patch``, takes milliseconds; Triton's disk cache shortens it in
-    later processes). On a CPU the probe takes well under a second.
+    Time: ``patch`` runs a probe forward, with relay attention computed by its PyTorch reference on every device
+    (``kernels.reference_only``): no Triton kernel is compiled while patching; on CUDA the first call compiles the
+    ones it needs (once per process and head size; Triton's disk cache shortens it in later processes). On a CPU the
+    probe takes well under a second.
     """
     budget = _checked_arguments(model, min_prefix_length, decode, prefix_cache_bytes)
     state = relay_state(model)

@@ -175,6 +175,34 @@ def test_rejects_what_it_does_not_implement():
                                        block_table=table)
     with pytest.raises(ValueError, match="queries, keys and values"):  # values of another head size (MLA)
         kernel.flash_attn_with_kvcache(q, k_cache, v_cache[..., :8], cache_seqlens=past, block_table=table)
+    call = dict(cache_seqlens=past, block_table=table)
+    malformed = {
+        "does not implement rotary_sin": (q, k_cache, v_cache, dict(rotary_sin=torch.ones(1))),
+        "one sink logit per query head": (q, k_cache, v_cache, dict(s_aux=torch.zeros(q.shape[2] + 1))),
+        "share one of fp16, bf16, fp32": (q.half(), k_cache, v_cache, {}),
+        "hold integers": (q, k_cache, v_cache, dict(cache_seqlens=past.float())),
+        "M >= 1": (q, k_cache, v_cache, dict(block_table=table[:, :0])),
+        "H_kv >= 1": (q, k_cache[:, :, :0], v_cache[:, :, :0], {}),
+        "caches \\[P, page, H_kv, D\\]": (q, k_cache[..., None], v_cache[..., None], {}),
+        "do not fit the block table": (q, k_cache, v_cache, dict(cache_seqlens=past + 4 * table.shape[1])),
+    }
+    for message, (q_, kc, vc, change) in malformed.items():
+        with pytest.raises(ValueError, match=message):
+            kernel.flash_attn_with_kvcache(q_, kc, vc, k, v, **{**call, **change})
+
+
+def test_a_row_past_its_tables_pages_reads_and_writes_nothing_outside_it():
+    # unchecked on CUDA (that would wait for the device): the kernels themselves keep to the table's pages
+    q, k_cache, v_cache, k, v, table, past = _step(31, 4, [9, 10], [("a", 2)] * 2)
+    table[0, 3] = min(set(range(k_cache.shape[0])) - set(table.flatten().tolist()))  # a page beyond the slice
+    q, k_cache, v_cache, k, v, table = _on(DEVICE, (q, k_cache, v_cache, k, v, table))
+    narrow, before = table[:, :3], (k_cache.clone(), v_cache.clone())
+    past = torch.tensor([12, 10], dtype=torch.int32, device=DEVICE)  # row 0's new token would go to column 3
+    paged.paged_relay_triton(q, k_cache, v_cache, k, v, narrow, past, 0.5, 0.0, None)
+    page, slot = int(table[1, 2]), 10 % 4  # row 1 is well-formed: its new token alone is written
+    assert not torch.equal(k_cache[page, slot], before[0][page, slot])
+    k_cache[page, slot], v_cache[page, slot] = before[0][page, slot], before[1][page, slot]
+    assert torch.equal(k_cache, before[0]) and torch.equal(v_cache, before[1])
 
 
 def test_every_layer_of_a_step_reads_the_groups_the_first_derived():

@@ -225,9 +225,10 @@ def _paged_relay_triton(q, k_cache, v_cache, k, v, block_table, past, scale, sof
     paged_jit._suffix_kernel[(batch, kv_heads, s_suffix)](
         q, new_k, new_v, k_cache, v_cache, block_table, past, groups.bounds, po, plse, out, sinks, _st(q),
         _st(new_k), _st(new_v), k_cache.stride(), v_cache.stride(), po.stride(), plse.stride(), _st(out),
-        block_table.stride(0), page_size, group, dim, scale_log2, float(softcap), PREFIX_SPLITS=s_prefix,
-        BLOCK_M=max(16, _pow2(group)), SPLITS=s_suffix, BLOCK_N=tiles.suffix_keys, WRITE=k is not None, MERGE=merge,
-        HAS_SINKS=s_aux is not None, num_warps=tiles.suffix_warps or warps, **common)
+        block_table.stride(0), block_table.shape[1] * page_size - (k is not None), page_size, group, dim, scale_log2,
+        float(softcap), PREFIX_SPLITS=s_prefix, BLOCK_M=max(16, _pow2(group)), SPLITS=s_suffix,
+        BLOCK_N=tiles.suffix_keys, WRITE=k is not None, MERGE=merge, HAS_SINKS=s_aux is not None,
+        num_warps=tiles.suffix_warps or warps, **common)
     if not merge:
         paged_jit._merge_kernel[(batch, heads)](po, plse, out, sinks, groups.bounds, po.stride(), plse.stride(),
                                                 _st(out), dim, slots, PREFIX_SPLITS=s_prefix, BLOCK_S=_pow2(slots),
@@ -279,39 +280,68 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     """flash-attn 2's ``flash_attn_with_kvcache`` for one query per request over a paged cache (module docstring).
 
     ``causal`` changes nothing for one query (it sees every cached token). Returns ``[B, 1, H_q, D]`` in ``q``'s
-    dtype. What it does not implement raises ``ValueError`` (rotary embedding, cache index remapping, left padding,
-    ALiBi, sliding windows, returning the LSE, more than one query per request)."""
-    unsupported = {"rotary_cos": rotary_cos is not None, "cache_batch_idx": cache_batch_idx is not None,
-                   "cache_leftpad": cache_leftpad is not None, "alibi_slopes": alibi_slopes is not None,
-                   "return_softmax_lse": bool(return_softmax_lse),
+    dtype. What it does not implement, and malformed arguments, raise ``ValueError`` (rotary embedding, cache index
+    remapping, left padding, ALiBi, sliding windows, returning the LSE, more than one query per request). As in
+    flash-attn, ``cache_seqlens`` must fit the block table's pages; that is checked where it costs no host
+    synchronisation (CPU tensors); on CUDA a row past its table's pages reads and writes nothing outside the table
+    (its output is then meaningless, as flash-attn's)."""
+    unsupported = {"rotary_cos": rotary_cos is not None, "rotary_sin": rotary_sin is not None,
+                   "cache_batch_idx": cache_batch_idx is not None, "cache_leftpad": cache_leftpad is not None,
+                   "alibi_slopes": alibi_slopes is not None, "return_softmax_lse": bool(return_softmax_lse),
                    "window_size": tuple(window_size or (-1, -1)) != (-1, -1)}
     named = [name for name, given in unsupported.items() if given]
     if named:
         raise ValueError(f"relay-flash3's flash_attn_with_kvcache does not implement {', '.join(named)}")
     if block_table is None or cache_seqlens is None:
         raise ValueError("relay-flash3's flash_attn_with_kvcache needs a paged cache: block_table and cache_seqlens")
+    if not isinstance(cache_seqlens, torch.Tensor):
+        cache_seqlens = torch.full((q.shape[0],), int(cache_seqlens), dtype=torch.int32, device=q.device)
+    _check_call(q, k_cache, v_cache, k, v, block_table, cache_seqlens, s_aux)
+    scale = softmax_scale if softmax_scale is not None else q.shape[-1] ** -0.5
+    softcap = float(softcap or 0.0)
+    if q.numel() == 0:
+        return torch.empty_like(q)
+    # the kernels step along a table row and the lengths by one element (transformers' tensors already are so)
+    block_table = block_table if block_table.stride(-1) == 1 else block_table.contiguous()
+    args = (q, k_cache, v_cache, k, v, block_table, cache_seqlens.contiguous(), scale, softcap, s_aux)
+    return paged_relay_triton(*args) if triton_serves(q) else paged_attention_torch(*args)
+
+
+_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+def _check_call(q, k_cache, v_cache, k, v, block_table, cache_seqlens, s_aux) -> None:
+    """``ValueError`` naming what ``flash_attn_with_kvcache``'s tensors get wrong (shapes, dtypes, ranks)."""
     if q.dim() != 4 or q.shape[1] != 1:
         raise ValueError(f"relay-flash3 serves one query per request (q [B, 1, H_q, D]); got q of shape "
                          f"{tuple(q.shape)}")
     if (k is None) != (v is None):
         raise ValueError("relay-flash3: pass both k and v, or neither")
-    if (q.shape[2] % k_cache.shape[2] or q.shape[3] != k_cache.shape[3] or q.shape[3] > 256
-            or tuple(v_cache.shape) != tuple(k_cache.shape)):
-        raise ValueError(f"relay-flash3: query heads {q.shape[2]} must be a multiple of the cache's KV heads "
-                         f"{k_cache.shape[2]}, with the same head size (at most 256) for queries, keys and values; "
-                         f"got q {tuple(q.shape)}, k_cache {tuple(k_cache.shape)}, v_cache {tuple(v_cache.shape)}")
-    if not isinstance(cache_seqlens, torch.Tensor):
-        cache_seqlens = torch.full((q.shape[0],), int(cache_seqlens), dtype=torch.int32, device=q.device)
+    if (k_cache.dim() != 4 or tuple(v_cache.shape) != tuple(k_cache.shape) or k_cache.shape[2] < 1
+            or q.shape[2] % k_cache.shape[2] or q.shape[3] != k_cache.shape[3] or not 0 < q.shape[3] <= 256):
+        raise ValueError(f"relay-flash3: caches [P, page, H_kv, D] with H_kv >= 1 dividing the query heads "
+                         f"{q.shape[2]}, and one head size (1 to 256) for queries, keys and values; got q "
+                         f"{tuple(q.shape)}, k_cache {tuple(k_cache.shape)}, v_cache {tuple(v_cache.shape)}")
+    if q.dtype not in _DTYPES or k_cache.dtype != q.dtype or v_cache.dtype != q.dtype:
+        raise ValueError(f"relay-flash3: q, k_cache and v_cache must share one of fp16, bf16, fp32; got {q.dtype}, "
+                         f"{k_cache.dtype}, {v_cache.dtype}")
     rows = q.shape[0]
     new_shape = (rows, 1, k_cache.shape[2], k_cache.shape[3])
-    if (block_table.dim() != 2 or block_table.shape[0] != rows or tuple(cache_seqlens.shape) != (rows,)
+    if (block_table.dim() != 2 or block_table.shape[0] != rows or block_table.shape[1] < 1
+            or tuple(cache_seqlens.shape) != (rows,)
             or (k is not None and (tuple(k.shape) != new_shape or tuple(v.shape) != new_shape))):
-        raise ValueError(f"relay-flash3: q {tuple(q.shape)} needs block_table [{rows}, M], cache_seqlens [{rows}] "
-                         f"and k, v {list(new_shape)}; got {tuple(block_table.shape)}, {tuple(cache_seqlens.shape)}, "
-                         f"{None if k is None else tuple(k.shape)}")
-    scale = softmax_scale if softmax_scale is not None else q.shape[-1] ** -0.5
-    softcap = float(softcap or 0.0)
-    # the kernels step along a table row and the lengths by one element (transformers' tensors already are so)
-    block_table = block_table if block_table.stride(-1) == 1 else block_table.contiguous()
-    args = (q, k_cache, v_cache, k, v, block_table, cache_seqlens.contiguous(), scale, softcap, s_aux)
-    return paged_relay_triton(*args) if triton_serves(q) else paged_attention_torch(*args)
+        raise ValueError(f"relay-flash3: q {tuple(q.shape)} needs block_table [{rows}, M >= 1], cache_seqlens "
+                         f"[{rows}] and k, v {list(new_shape)}; got {tuple(block_table.shape)}, "
+                         f"{tuple(cache_seqlens.shape)}, {None if k is None else tuple(k.shape)}")
+    if block_table.dtype.is_floating_point or cache_seqlens.dtype.is_floating_point or block_table.is_complex():
+        raise ValueError(f"relay-flash3: block_table and cache_seqlens hold integers; got {block_table.dtype}, "
+                         f"{cache_seqlens.dtype}")
+    if s_aux is not None and tuple(s_aux.shape) != (q.shape[2],):
+        raise ValueError(f"relay-flash3: s_aux holds one sink logit per query head ([{q.shape[2]}]); got "
+                         f"{tuple(s_aux.shape)}")
+    if not cache_seqlens.is_cuda and rows:  # on CUDA this would wait for the device
+        capacity = block_table.shape[1] * k_cache.shape[1] - (k is not None)
+        if int(cache_seqlens.max()) > capacity:
+            raise ValueError(f"relay-flash3: cache_seqlens up to {int(cache_seqlens.max())} do not fit the block "
+                             f"table's {block_table.shape[1]} pages of {k_cache.shape[1]} tokens"
+                             f"{' with the new token' if k is not None else ''}")

@@ -140,13 +140,15 @@ def _prefix_kernel(Q, KC, VC, BT, TILES, COUNTS, MEMBERS, BOUNDS, PO, PLSE, q_st
 
 @triton.jit
 def _suffix_kernel(Q, K, V, KC, VC, BT, PAST, BOUNDS, PO, PLSE, OUT, SINKS, q_st, k_st, v_st, kc_st, vc_st, po_st,
-                   plse_st, o_st, bt_b, page_size, G, D, scale_log2, softcap, PREFIX_SPLITS: tl.constexpr,
+                   plse_st, o_st, bt_b, capacity, page_size, G, D, scale_log2, softcap, PREFIX_SPLITS: tl.constexpr,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, SPLITS: tl.constexpr,
                    SOFTCAP: tl.constexpr, IEEE: tl.constexpr, WRITE: tl.constexpr, MERGE: tl.constexpr,
                    HAS_SINKS: tl.constexpr):
     """Suffix units: row ``b``'s cached tokens after its shared prefix (``BOUNDS[b, 2]`` pages) up to ``PAST[b]``,
     then, where this call writes it (``WRITE``), the new token from ``K``/``V [B, 1, H_kv, D]``; none for padding
-    (``PAST[b] < 0``). ``MERGE`` (one split): the row's prefix slots merged in and ``OUT`` written."""
+    (``PAST[b] < 0``) or a row with more than ``capacity`` cached tokens (its table's pages, less the new token's
+    slot: a malformed call, which then reads and writes nothing outside the table). ``MERGE`` (one split): the
+    row's prefix slots merged in and ``OUT`` written."""
     b, h, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i = tl.arange(0, BLOCK_M)
     d = tl.arange(0, BLOCK_D)
@@ -154,6 +156,7 @@ def _suffix_kernel(Q, K, V, KC, VC, BT, PAST, BOUNDS, PO, PLSE, OUT, SINKS, q_st
     row_ok = i < G
     heads = h * G + i % G
     past = tl.load(PAST + b)
+    past = tl.where(past <= capacity, past, -1)  # tokens past the table's pages: read and write nothing
     bt_row = BT + b * bt_b
     lo = tl.load(BOUNDS + b * 3 + 2) * page_size
     hi = tl.maximum(past, 0)

@@ -38,6 +38,7 @@ from ._compat import (
 from .cache import RelayCache
 from .cache_check import check_cache
 from .flash import KERNEL_ID, check_reason
+from .kernels.check import kernel_reason
 from .loop_rules import decode_step, loop_choice_reason, loop_reason, static_shape
 from .names import is_flash_name, is_paged_name, is_relay_name
 from .prefix import Grouping, PrefixTree, common_prefix_length, find_groups, left_padding, split_at_pinned
@@ -184,6 +185,10 @@ def model_reason(model) -> str | None:
         return None
     if not is_relay_name(name):
         return f"the model's attention implementation was set to {name!r} after relay_hf.patch"
+    if model.device.type == "cuda":  # patch's probe ran the reference: the kernel is checked here, once per shape
+        heads, kv_heads, head_dim, value_dim = head_shape(model.config.get_text_config(decoder=True))
+        if value_dim == head_dim:
+            return kernel_reason(model.device, model.dtype, heads, kv_heads, head_dim)
     return None
 
 

@@ -56,10 +56,11 @@ from .probe_inputs import probe_inputs
 
 # max |relay - stock| over the logits (or the cut's hidden state), relative to max(max |stock value|, 1). fp32 /
 # fp64 differ by summation order only; half types round every layer's activations. Worst seen on tiny random models
-# of every accepted architecture (CPU reference; H200 Triton kernels for 16 of them): fp32 2e-6, bf16 4.8e-2 (CPU) /
-# 9.8e-3 (CUDA), fp16 1.5e-3 / 5.3e-3. A structural difference (bidirectional attention, a lost prefix, shifted
-# positions) moves the logits of a trained model by a sizeable fraction of their range (SmolLM2's hidden state after
-# 2 layers by 0.2 of its own); fp32 also catches the small shifts of random-weight models.
+# of every accepted architecture (the reference on the CPU; on an H200, when the probe ran the Triton kernels, for
+# 16 of them): fp32 2e-6, bf16 4.8e-2 (CPU) / 9.8e-3 (CUDA), fp16 1.5e-3 / 5.3e-3. A structural difference
+# (bidirectional attention, a lost prefix, shifted positions) moves the logits of a trained model by a sizeable
+# fraction of their range (SmolLM2's hidden state after 2 layers by 0.2 of its own); fp32 also catches the small
+# shifts of random-weight models.
 RTOL = {torch.float64: 1e-7, torch.float32: 1e-4, torch.float16: 2e-2, torch.bfloat16: 5e-2}
 DEFAULT_RTOL = 5e-2  # other dtypes (quantized weights)
 HALF_DEPTH = 2  # 16-bit models: the hidden state after this many layers is held to the dtype's tolerance,

@@ -124,3 +124,24 @@ def test_one_row_runs_stock_as_expected(model, batch):
 def test_an_implementation_set_after_patch_is_named(model, batch):
     model.set_attn_implementation("eager")
     assert "set to 'eager'" in decide(model, _call(*batch)).reason
+
+
+@pytest.mark.gpu
+def test_a_kernel_that_cannot_serve_the_gpu_runs_stock_with_the_reason(batch, monkeypatch):
+    """patch's probe runs the reference; whether the kernel builds and agrees here is asked before the first call."""
+    import relay_hf.policy as policy
+
+    asked = []
+    monkeypatch.setattr(policy, "kernel_reason", lambda *key: asked.append(key) or "relay's Triton kernel failed")
+    model = tiny_model("llama").to("cuda")
+    relay_hf.patch(model, min_prefix_length=8)
+    route = decide(model, _call(*(t.to("cuda") for t in batch)))
+    assert not route.relay and "Triton kernel failed" in route.reason
+    assert asked and asked[0][:2] == (model.device, torch.float32)
+
+
+def test_no_kernel_check_off_cuda(model, batch, monkeypatch):
+    import relay_hf.policy as policy
+
+    monkeypatch.setattr(policy, "kernel_reason", lambda *key: pytest.fail("a CPU model has no Triton kernel to check"))
+    assert decide(model, _call(*batch)).relay

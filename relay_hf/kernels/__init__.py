@@ -43,7 +43,8 @@ def _eager_planner():
     return _PLAN_FOR
 
 
-_PLAIN_TYPES = frozenset((torch.Tensor, type(None)))  # what a plain eager call's tensor arguments are
+# what a plain eager call's tensor arguments are (gpt-oss hands its sinks over as the module's Parameter)
+_PLAIN_TYPES = frozenset((torch.Tensor, torch.nn.Parameter, type(None)))
 
 
 def _plain_eager(*tensors: torch.Tensor | None) -> bool:
@@ -58,11 +59,12 @@ def _plain_eager(*tensors: torch.Tensor | None) -> bool:
 
 @contextlib.contextmanager
 def reference_only():
-    """Inside the block this thread's relay attention runs the PyTorch reference on every device. For
+    """Inside the block, eager calls of ``attend`` / ``relay_attention`` on this thread (this context) run the PyTorch
+    reference on every device (compiled calls, relay's flash kernel and plans run directly are not affected). For
     ``relay_hf.patch``'s probe, which decides on the model's structure (is the KV handed over untouched, are the
     positions right) at a few tokens: on CUDA it would otherwise compile the Triton kernels for a head size they have
-    not met (seconds) before ``patch`` returns, where the first call needs them anyway. The reference is the oracle
-    the kernels are tested against (``tests/test_kernels``)."""
+    not met (seconds) before ``patch`` returns; ``kernels.check`` asks whether they build and agree with the
+    reference before the first relay call instead. The reference is the oracle the kernels are tested against."""
     token = _REFERENCE_ONLY.set(True)
     try:
         yield
@@ -165,8 +167,9 @@ def attend(step: StepMetadata, options: AttentionOptions, query: torch.Tensor, p
     the kernels do not serve runs the reference. Tensors and result as in ``relay_attention``; ``hf_layout``: the
     result as an HF attention function returns it instead, ``[B, L_q, H_q, D_v]`` contiguous (on the kernels'
     eager road their output buffer itself, with no view made)."""
+    # dynamo folds is_compiling() to True, so a traced call never reads the context variable (it cannot trace it)
     if (query.is_cuda and triton_serves(query.dtype, query.shape[-1], prefix_value.shape[-1], options.scale)
-            and not _REFERENCE_ONLY.get()):
+            and (torch.compiler.is_compiling() or not _REFERENCE_ONLY.get())):
         lengths, end = step.suffix_lengths, step.suffix_end
         if not _plain_eager(query, prefix_key, prefix_value, suffix_key, suffix_value, lengths, end, options.sinks):
             if _triton_ok():

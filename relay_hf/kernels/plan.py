@@ -202,6 +202,8 @@ class RelayPlan:
             check_relay_values(self.L_q, self.L_s, suffix_lengths, suffix_end)
         scale_log2, cap, cap_scale = self.scalars
         if out is not None:
+            if hf_layout:
+                raise ValueError("RelayPlan.run: out is [B, H_q, L_q, D]; hf_layout asks for a buffer of its own")
             if out.shape != self.result_shape or out.dtype != self.dtype or out.device != self.device:
                 raise ValueError(f"out must be a {self.dtype} {list(self.result_shape)} tensor on {self.device}, "
                                  f"got {out.dtype} {tuple(out.shape)} on {out.device}")

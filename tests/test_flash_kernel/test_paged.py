@@ -3,6 +3,7 @@ with and without shared leading runs; and the groups it derives from a block tab
 
 from __future__ import annotations
 
+import dataclasses
 import zlib
 
 import pytest
@@ -87,10 +88,12 @@ CASES = {
 }
 
 
-@pytest.mark.parametrize("path", ["triton", "triton merged", "torch"])
+@pytest.mark.parametrize("path", ["triton", "triton merged", "triton merged split prefix", "triton merge launch",
+                                  "torch"])
 @pytest.mark.parametrize("case", list(CASES))
 def test_matches_float64_oracle_and_writes_the_new_token(case, path):
-    # "triton": split suffixes and a merge launch; "triton merged": the suffix units merge the prefix partials
+    # "triton": split suffixes and a merge launch; "triton merged": the suffix units merge the prefix partials (one
+    # prefix split, or two); "triton merge launch": one suffix split, merged by a launch of its own (Tiles)
     page_size, lens, shared = CASES[case]
     step = _step(zlib.crc32(case.encode()) % 1000, page_size, lens, shared, pad_rows=1)
     expected, kc, vc = _oracle(*step, scale=0.3)
@@ -98,8 +101,11 @@ def test_matches_float64_oracle_and_writes_the_new_token(case, path):
     q, k_cache, v_cache, k, v, table, past = _on(DEVICE if triton else "cpu", step)
     run = paged.paged_relay_triton if triton else paged.paged_attention_torch
     groups = grouping.share_groups(table, past, page_size, rows_per_tile=2) if triton else None
-    splits = 1 if path == "triton merged" else 2
-    extra = dict(groups=groups, prefix_splits=splits, suffix_splits=splits) if triton else {}
+    splits = {"triton merged": (1, 1), "triton merged split prefix": (2, 1), "triton merge launch": (2, 1)}
+    prefix_splits, suffix_splits = splits.get(path, (2, 2))
+    extra = dict(groups=groups, prefix_splits=prefix_splits, suffix_splits=suffix_splits) if triton else {}
+    if path == "triton merge launch":
+        extra["tiles"] = dataclasses.replace(paged.TILES, suffix_merges=False)
     out = run(q, k_cache, v_cache, k, v, table, past, 0.3, 0.0, None, **extra)
     torch.testing.assert_close(out.double().cpu(), expected, atol=2e-5, rtol=2e-5)
     torch.testing.assert_close(k_cache.double().cpu(), kc, atol=0, rtol=0)
@@ -291,7 +297,9 @@ def test_random_groups_share_only_complete_identical_pages_and_cover_every_row(s
     if triton:
         derived = grouping.share_groups(table.to(DEVICE), past.to(DEVICE), 4, rows_per_tile, triton=True)
         assert _live(derived) == _live(groups)
-        assert derived.tiles[derived.counts[0]:batch + 1 if seed % 3 == 0 else batch].eq(0).all()
+        rows = batch + int(seed % 3 == 0)  # with the padding row
+        counts = derived.counts.tolist()
+        assert derived.tiles[counts[0]:rows].eq(0).all() and derived.tiles[rows + counts[1]:].eq(0).all()
     bounds, members = groups.bounds.tolist(), groups.members.tolist()
     seen = {1: [], 2: []}
     for level, lead, first, count in groups.tiles.tolist():

@@ -171,6 +171,8 @@ def _groups_kernel(BT, PAST, WORK, TILES, COUNTS, MEMBERS, BOUNDS, bt_b, B, M, p
     tl.debug_barrier()
     _group_min(WORK, B, _LEAD1, _SHARED1, _SIZE1, CHUNK=CHUNK)
     tl.debug_barrier()
+    # the two stages below rewrite rows of WORK they read: each warp loads its own copy of a chunk, so a warp may
+    # read a value another already rewrote; both rewrites are idempotent (keep them so)
     for b0 in range(0, B, CHUNK):  # a group of one shares nothing; level 2's key: the page after the prefix
         b = b0 + r
         b_ok = b < B

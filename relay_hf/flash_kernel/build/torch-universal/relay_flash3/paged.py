@@ -10,11 +10,11 @@ Tensors (``B`` requests of the step, ``P`` pages of ``page_size`` tokens, ``M`` 
   this step (``-1``: a padding row, which writes nothing and gets zeros);
 * ``s_aux [H_q]`` optional attention-sink logits (natural log, not scaled).
 
-On CUDA (or under ``TRITON_INTERPRET=1``) the step runs as ``grouping.share_groups`` (one program, by a step's
-first layer) plus two launches (prefix partials; suffix units that write the new token and merge), or three where
-the suffix is split (a merge launch), with static shapes: it can be captured in a CUDA graph. The groups are derived
-once per step: by the first layer, recognised by its ``k_cache`` pointer (``_StepGroups``); the other layers
-of the step read them. Elsewhere a PyTorch path computes the same attention row by row.
+On CUDA (or under ``TRITON_INTERPRET=1``) the step runs as ``grouping.share_groups`` (one program up to 256
+rows, by a step's first layer) plus two launches (prefix partials; suffix units that write the new token and merge),
+or three where the suffix is split (a merge launch), with static shapes: it can be captured in a CUDA graph. The
+groups are derived once per step: by the first layer, recognised by its ``k_cache`` pointer (``_StepGroups``); the
+other layers of the step read them. Elsewhere a PyTorch path computes the same attention row by row.
 """
 
 from __future__ import annotations

@@ -101,6 +101,33 @@ def _group_min(WORK, B, LEAD: tl.constexpr, OUT_MIN: tl.constexpr, OUT_SIZE: tl.
 
 
 @triton.jit
+def _level(WORK, BT, bt_b, B, M, KEY: tl.constexpr, SAME: tl.constexpr, LEAD: tl.constexpr, SHARED: tl.constexpr,
+           SIZE: tl.constexpr, LEVEL2: tl.constexpr, CHUNK: tl.constexpr, COLUMNS: tl.constexpr):
+    """One level's groups from its keys ``WORK[KEY]``: leaders, then pages shared with them, then each group's least
+    shared run (``WORK[SHARED]``) and size (``WORK[SIZE]``); a barrier before and after each stage."""
+    tl.debug_barrier()
+    _leaders(WORK, B, KEY, SAME, LEAD, LEVEL2=LEVEL2, CHUNK=CHUNK)
+    tl.debug_barrier()
+    _pages_shared(WORK, BT, bt_b, B, M, LEAD, CHUNK=CHUNK, COLUMNS=COLUMNS)
+    tl.debug_barrier()
+    _group_min(WORK, B, LEAD, SHARED, SIZE, CHUNK=CHUNK)
+    tl.debug_barrier()
+
+
+@triton.jit
+def _group_tiles(WORK, B, rows, ok, rows_per_tile, LEVEL: tl.constexpr, LEAD: tl.constexpr, SIZE: tl.constexpr):
+    """``(leader, group size, tiles)`` of ``rows`` (``ok``: the real ones) at ``LEVEL``: a group's tiles are counted
+    at its leader (0 elsewhere, and for a group of one or without pages of its level)."""
+    lead = tl.load(WORK + LEAD * B + rows, mask=ok, other=0)
+    size = tl.load(WORK + SIZE * B + rows, mask=ok, other=0)
+    pages = tl.load(WORK + _SHARED1 * B + rows, mask=ok, other=0)
+    if LEVEL == 2:  # a level-2 group's pages are those past the level-1 prefix
+        pages = tl.load(WORK + _SHARED2 * B + rows, mask=ok, other=0) - pages
+    count = tl.where(ok & (lead == rows) & (size >= 2) & (pages > 0), (size + rows_per_tile - 1) // rows_per_tile, 0)
+    return lead, size, count
+
+
+@triton.jit
 def _tiles(WORK, TILES, COUNTS, MEMBERS, B, rows_per_tile, LEVEL: tl.constexpr, LEAD: tl.constexpr,
            SIZE: tl.constexpr, CHUNK: tl.constexpr):
     """One level's tiles (rows ``(LEVEL - 1) * B ..`` of ``TILES``), its members in leader order and its count of live
@@ -111,26 +138,14 @@ def _tiles(WORK, TILES, COUNTS, MEMBERS, B, rows_per_tile, LEVEL: tl.constexpr, 
     for b0 in range(0, B, CHUNK):
         b = b0 + r
         b_ok = b < B
-        lead_b = tl.load(WORK + LEAD * B + b, mask=b_ok, other=0)
-        size_b = tl.load(WORK + SIZE * B + b, mask=b_ok, other=0)
-        pages_b = tl.load(WORK + _SHARED1 * B + b, mask=b_ok, other=0)
-        if LEVEL == 2:
-            pages_b = tl.load(WORK + _SHARED2 * B + b, mask=b_ok, other=0) - pages_b
-        count_b = tl.where(b_ok & (lead_b == b) & (size_b >= 2) & (pages_b > 0),
-                           (size_b + rows_per_tile - 1) // rows_per_tile, 0)
+        lead_b, size_b, count_b = _group_tiles(WORK, B, b, b_ok, rows_per_tile, LEVEL, LEAD, SIZE)
         before = tl.zeros([CHUNK], tl.int32)  # rows whose leader comes before b's: where b's group starts
         earlier = tl.zeros([CHUNK], tl.int32)  # b's fellow members before it
         tiles_before = tl.zeros([CHUNK], tl.int32)  # tiles of the groups whose leader comes before b
         for a0 in range(0, B, CHUNK):
             a = a0 + r
             a_ok = a < B
-            lead_a = tl.load(WORK + LEAD * B + a, mask=a_ok, other=0)
-            size_a = tl.load(WORK + SIZE * B + a, mask=a_ok, other=0)
-            pages_a = tl.load(WORK + _SHARED1 * B + a, mask=a_ok, other=0)
-            if LEVEL == 2:
-                pages_a = tl.load(WORK + _SHARED2 * B + a, mask=a_ok, other=0) - pages_a
-            count_a = tl.where(a_ok & (lead_a == a) & (size_a >= 2) & (pages_a > 0),
-                               (size_a + rows_per_tile - 1) // rows_per_tile, 0)
+            lead_a, _, count_a = _group_tiles(WORK, B, a, a_ok, rows_per_tile, LEVEL, LEAD, SIZE)
             ahead = a_ok[None, :] & (lead_a[None, :] < lead_b[:, None])
             before += tl.sum(ahead.to(tl.int32), 1)
             earlier += tl.sum((a_ok[None, :] & (lead_a[None, :] == lead_b[:, None]) & (a[None, :] < b[:, None])
@@ -164,13 +179,7 @@ def _groups_kernel(BT, PAST, WORK, TILES, COUNTS, MEMBERS, BOUNDS, bt_b, B, M, p
         tl.store(WORK + _COMPLETE * B + b, complete, mask=b_ok)
         first = tl.load(BT + b.to(tl.int64) * bt_b, mask=b_ok, other=0)
         tl.store(WORK + _KEY1 * B + b, tl.where(complete >= 1, first, -1 - b), mask=b_ok)
-    tl.debug_barrier()
-    _leaders(WORK, B, _KEY1, _KEY1, _LEAD1, LEVEL2=False, CHUNK=CHUNK)
-    tl.debug_barrier()
-    _pages_shared(WORK, BT, bt_b, B, M, _LEAD1, CHUNK=CHUNK, COLUMNS=COLUMNS)
-    tl.debug_barrier()
-    _group_min(WORK, B, _LEAD1, _SHARED1, _SIZE1, CHUNK=CHUNK)
-    tl.debug_barrier()
+    _level(WORK, BT, bt_b, B, M, _KEY1, _KEY1, _LEAD1, _SHARED1, _SIZE1, LEVEL2=False, CHUNK=CHUNK, COLUMNS=COLUMNS)
     # the two stages below rewrite rows of WORK they read: each warp loads its own copy of a chunk, so a warp may
     # read a value another already rewrote; both rewrites are idempotent (keep them so)
     for b0 in range(0, B, CHUNK):  # a group of one shares nothing; level 2's key: the page after the prefix
@@ -182,13 +191,7 @@ def _groups_kernel(BT, PAST, WORK, TILES, COUNTS, MEMBERS, BOUNDS, bt_b, B, M, p
         at = tl.load(BT + b.to(tl.int64) * bt_b + tl.minimum(shared, M - 1), mask=b_ok, other=0)
         complete = tl.load(WORK + _COMPLETE * B + b, mask=b_ok, other=0)
         tl.store(WORK + _KEY2 * B + b, tl.where(complete > shared, at, -1 - b), mask=b_ok)
-    tl.debug_barrier()
-    _leaders(WORK, B, _KEY2, _LEAD1, _LEAD2, LEVEL2=True, CHUNK=CHUNK)
-    tl.debug_barrier()
-    _pages_shared(WORK, BT, bt_b, B, M, _LEAD2, CHUNK=CHUNK, COLUMNS=COLUMNS)
-    tl.debug_barrier()
-    _group_min(WORK, B, _LEAD2, _SHARED2, _SIZE2, CHUNK=CHUNK)
-    tl.debug_barrier()
+    _level(WORK, BT, bt_b, B, M, _KEY2, _LEAD1, _LEAD2, _SHARED2, _SIZE2, LEVEL2=True, CHUNK=CHUNK, COLUMNS=COLUMNS)
     for b0 in range(0, B, CHUNK):  # rows in no level-2 group keep the level-1 prefix
         b = b0 + r
         b_ok = b < B

@@ -2,7 +2,8 @@
 
 The rules, in the order they are checked:
 
-1. the model: patched, not declined by ``patch``, still on the ``"relay"`` implementation (``model_reason``);
+1. the model: patched, not declined by ``patch``, still on the ``"relay"`` implementation (``model_reason``), and
+   on CUDA relay's Triton kernel builds and agrees with the reference there (``kernel_check``);
 2. the call: a ``RelayCache`` or no cache, 2D integer ids, no feature that reads the prompt's token order or needs
    per-position outputs (those run stock: relay reorders each row's pads behind the shared prefix), left padding;
 3. the batch: shared prefixes that pay (``prefix.find_groups`` picks the system prompts, and blocks under them,
@@ -13,11 +14,10 @@ The rules, in the order they are checked:
    chooses) where it reproduces stock token for token, else transformers' loop: on a static ``RelayCache`` when the
    call asks for one (``cache_implementation="static"``), else on a dynamic one (``loop_rules.py``).
 
-The route only says what runs: what a call reads from the model's prefix store is taken when it runs (``kept.py``),
-and relay_hf's loop builds its ``sampling.Sampler`` from the processors judged here.
-
-Stock routes carry ``expected``: ``False`` where the user would have gained from relay (``generate`` then warns once
-per reason through the ``relay_hf`` logger); ``True`` for the ordinary cases (one row, a short prefix, not patched).
+The route only says what runs: what a call reads from the prefix store is taken when it runs (``kept.py``), and
+relay_hf's loop builds its ``sampling.Sampler`` from the processors judged here. Stock routes carry ``expected``:
+``False`` where the user would have gained from relay (``generate`` then warns once per reason through the
+``relay_hf`` logger); ``True`` for the ordinary cases (one row, a short prefix, not patched).
 """
 
 from __future__ import annotations
@@ -185,11 +185,16 @@ def model_reason(model) -> str | None:
         return None
     if not is_relay_name(name):
         return f"the model's attention implementation was set to {name!r} after relay_hf.patch"
-    if model.device.type == "cuda":  # patch's probe ran the reference: the kernel is checked here, once per shape
-        heads, kv_heads, head_dim, value_dim = head_shape(model.config.get_text_config(decoder=True))
-        if value_dim == head_dim:
-            return kernel_reason(model.device, model.dtype, heads, kv_heads, head_dim)
     return None
+
+
+def kernel_check(model) -> str | None:
+    """Why relay's Triton kernel cannot serve ``model`` on its GPU (``kernels.check``: ``patch``'s probe ran the
+    reference), asked before each call that would run it; answered once per device, dtype and head shape."""
+    heads, kv_heads, head_dim, value_dim = head_shape(model.config.get_text_config(decoder=True))
+    if model.device.type != "cuda" or value_dim != head_dim:  # the reference serves MLA's values
+        return None
+    return kernel_reason(model.device, model.dtype, heads, kv_heads, head_dim)
 
 
 def continuous_reason(model, cb_config) -> str | None:
@@ -227,7 +232,7 @@ def continuous_route(model, cb_config) -> tuple[str | None, str | None]:
                                                        "default_compile_level")):
         return ("the continuous batching config asks for a compiled step, which runs without relay's per-step plan "
                 f"(relay's flash kernel is not used: {not_flash})"), not_flash
-    return None, not_flash
+    return kernel_check(model), not_flash  # the host road runs relay's Triton kernel (the flash road its own)
 
 
 def flash_reason(model, cb_config) -> str | None:
@@ -263,10 +268,7 @@ def keep_reason(model) -> str | None:
     """Why no prefix may be prefilled now and kept for later calls (a pipeline's system prompts), or ``None``: relay
     cannot serve the model (``model_reason``), or it is in training mode (its prefill would run dropout, and the
     KV kept would be a random draw, not the model's)."""
-    why = model_reason(model)
-    if why is None and model.training:
-        why = TRAINING
-    return why
+    return model_reason(model) or (TRAINING if model.training else None)
 
 
 def cost_reason(rows: int, prefix_length: int, device: torch.device, min_prefix_length: int,
@@ -426,6 +428,8 @@ def eligible(model, call: dict) -> None:
         raise RunStock(why, expected=True)
     if model.training:  # dropout draws its random numbers in another order once the prefix is prefilled apart
         raise RunStock(TRAINING)
+    if (why := kernel_check(model)) is not None:
+        raise RunStock(why)
     cache = user_cache(call)
     if cache is not None and not isinstance(cache, RelayCache):
         raise RunStock(f"a {type(cache).__name__} was passed as the cache", expected=True)

@@ -45,7 +45,7 @@ from .prefix import Grouping, PrefixTree, common_prefix_length, find_groups, lef
 from .rope import rope_reason
 from .sampling import LoopProcessors, loop_processors
 from .state import relay_state
-from .stats import head_shape
+from .stats import head_shape, head_shapes
 from .step import DEFAULT_DECODE
 
 # rows * prefix tokens below which the CUDA relay kernel is not measured to beat SDPA over the expanded prefix
@@ -191,10 +191,11 @@ def model_reason(model) -> str | None:
 def kernel_check(model) -> str | None:
     """Why relay's Triton kernel cannot serve ``model`` on its GPU (``kernels.check``: ``patch``'s probe ran the
     reference), asked before each call that would run it; answered once per device, dtype and head shape."""
-    heads, kv_heads, head_dim, value_dim = head_shape(model.config.get_text_config(decoder=True))
-    if model.device.type != "cuda" or value_dim != head_dim:  # the reference serves MLA's values
+    if model.device.type != "cuda":
         return None
-    return kernel_reason(model.device, model.dtype, heads, kv_heads, head_dim)
+    shapes = sorted(head_shapes(model.config.get_text_config(decoder=True)))  # MLA's values: the reference serves
+    return next(filter(None, (kernel_reason(model.device, model.dtype, *shape[:3]) for shape in shapes
+                              if shape[2] == shape[3])), None)
 
 
 def continuous_reason(model, cb_config) -> str | None:

@@ -23,6 +23,13 @@ def head_shape(text) -> tuple[int, int, int, int]:
     return heads, kv_heads, head_dim, getattr(text, "v_head_dim", None) or head_dim
 
 
+def head_shapes(text) -> set[tuple[int, int, int, int]]:
+    """Every ``head_shape`` a text config's layers have: one, or per layer where the config holds per-layer
+    attributes (Gemma 4's global and sliding layers differ, and transformers refuses to read them globally)."""
+    per_layer = getattr(text, "per_layer_config", None)
+    return {head_shape(layer) for layer in per_layer} if per_layer is not None else {head_shape(text)}
+
+
 def layer_kv_bytes(model) -> list[int]:
     """Per decoder layer (``[num_hidden_layers]`` of the text config), the bytes of one token's keys and values in
     the model's dtype: from the layer's attention module (the one whose ``layer_idx`` names the layer) and its key

@@ -149,3 +149,16 @@ def test_windows_and_bytes_per_layer():
     assert attention_windows(tiny_model("qwen2", sliding_window=24)) == [None, None]
     llama = tiny_model("llama")
     assert full_layer_kv_bytes(llama) == kv_bytes_per_token(llama) == 2 * (4 * 16 * 2) * 4  # 2 layers, fp32
+
+
+def test_head_shapes_reads_per_layer_configs():
+    # Gemma 4's global and sliding layers have other head sizes, and transformers refuses to read them globally
+    from relay_hf.stats import head_shape, head_shapes
+    from tests.helpers import tiny_config
+
+    gemma4 = tiny_config("gemma4_text").get_text_config(decoder=True)
+    shapes = head_shapes(gemma4)
+    assert len({shape[2] for shape in shapes}) == 2
+    assert shapes == {head_shape(layer) for layer in gemma4.per_layer_config}
+    llama = tiny_config("llama")
+    assert head_shapes(llama) == {head_shape(llama)}

@@ -23,6 +23,8 @@ from types import ModuleType
 
 import torch
 
+from .kernels.check import TOLERANCE
+
 KERNEL_ID = "relay-hf/relay-flash3"  # transformers takes its continuous-batching fast path only for ".*flash.*[23]"
 KERNEL_DIR = Path(__file__).resolve().parent / "flash_kernel"
 VARIANT_DIR = KERNEL_DIR / "build" / "torch-universal"
@@ -89,7 +91,7 @@ def check_reason(device: torch.device, dtype: torch.dtype, q_heads: int, kv_head
 
     q, k, v = rand(rows, 1, q_heads, head_dim), rand(rows, 1, kv_heads, head_dim), rand(rows, 1, kv_heads, head_dim)
     caches = rand(8, page, kv_heads, head_dim), rand(8, page, kv_heads, head_dim)
-    tol = 1e-4 if dtype == torch.float32 else 3e-2
+    tol = TOLERANCE[dtype]
     try:
         outs = []
         table, past = table.to(device), past.to(device)

@@ -3,7 +3,7 @@
 ``patch``'s probe decides on the model's structure with the reference (``kernels.reference_only``), so it compiles
 no kernel. What it no longer sees is a kernel that cannot build or run here (a tile that needs more shared memory than
 this GPU has, an architecture Triton does not serve) or computes wrongly: this check asks, once per process, device,
-dtype and head shape, before the first relay call on CUDA (``policy.model_reason``), so such a model runs stock with
+dtype and head shape, before the first relay call on CUDA (``policy.kernel_check``), so such a model runs stock with
 the reason instead of failing in its first call. It compiles the kernel variants of a short prefill and a decode step
 (shapes as small as the kernels take), which the first call then reuses where its shapes map to the same variants.
 """
@@ -16,7 +16,8 @@ import torch
 
 from . import relay_attention, relay_attention_torch
 
-# tolerance against the reference: fp32 differs by summation order only, 16-bit types by their rounding
+# tolerance of a kernel against its PyTorch path (this check, and the flash road's, ``flash.check_reason``): fp32
+# differs by summation order only, 16-bit types by their rounding
 TOLERANCE = {torch.float32: 1e-4, torch.float16: 3e-2, torch.bfloat16: 3e-2}
 
 

@@ -333,7 +333,7 @@ def _check_call(q, k_cache, v_cache, k, v, block_table, cache_seqlens, s_aux) ->
         raise ValueError(f"relay-flash3: q {tuple(q.shape)} needs block_table [{rows}, M >= 1], cache_seqlens "
                          f"[{rows}] and k, v {list(new_shape)}; got {tuple(block_table.shape)}, "
                          f"{tuple(cache_seqlens.shape)}, {None if k is None else tuple(k.shape)}")
-    if block_table.dtype.is_floating_point or cache_seqlens.dtype.is_floating_point or block_table.is_complex():
+    if any(t.dtype.is_floating_point or t.dtype.is_complex for t in (block_table, cache_seqlens)):
         raise ValueError(f"relay-flash3: block_table and cache_seqlens hold integers; got {block_table.dtype}, "
                          f"{cache_seqlens.dtype}")
     if s_aux is not None and tuple(s_aux.shape) != (q.shape[2],):

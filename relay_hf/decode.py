@@ -20,18 +20,28 @@ import torch
 from ._compat import cache_kwarg_name, optimized_for_decode
 from .sampling import Sampler, choose
 from .step import DEFAULT_DECODE, DecodeConfig, step_for
+from .suffix_prefill import SuffixPrefill
 
 
-def _prefill(model, cache, ids: torch.Tensor, mask: torch.Tensor, rows: int):
+def _prefill(model, slot, ids: torch.Tensor, mask: torch.Tensor, rows: int, decode: DecodeConfig):
     """The rows' own tokens after the cached prefix (``ids`` / ``mask`` ``[R, T]``, relay layout), at ``rows >= R``
-    rows: the extra rows copy row 0. Returns the last logits ``[rows, V]``, and the last tokens and their next
-    positions, ``[rows, 1]`` int64 each (the decode step's first inputs)."""
+    rows: the extra rows copy row 0. Recorded as a CUDA graph per suffix length where ``decode.prefill_length``
+    allows (one prefix, CUDA; ``suffix_prefill.py``), else eager ops. Returns the last logits ``[rows, V]``, and the
+    last tokens and their next positions, ``[rows, 1]`` int64 each (the decode step's first inputs)."""
     fill = torch.zeros(rows - ids.shape[0], dtype=torch.long, device=ids.device)
     ids_b, mask_b = torch.cat([ids, ids[fill]]), torch.cat([mask, mask[fill]])
     pos = (mask_b.long().cumsum(-1) - 1).masked_fill(mask_b == 0, 0)  # stock's positions: pads get 0
+    cache = slot.cache
     P = cache.prefix_length
-    logits = model(input_ids=ids_b[:, P:], position_ids=pos[:, P:], use_cache=True, logits_to_keep=1,
-                   **{cache_kwarg_name(model): cache}).logits[:, -1, :]
+    own_ids, own_pos = ids_b[:, P:], pos[:, P:]
+    L = own_ids.shape[1]
+    if ids.is_cuda and cache.groups is None and decode.prefill_length(decode.bucket(ids.shape[0]), L) == L:
+        if slot.prefill is None:
+            slot.prefill = SuffixPrefill(cache_kwarg_name(model))
+        logits = slot.prefill(model, cache, own_ids, own_pos)
+    else:
+        logits = model(input_ids=own_ids, position_ids=own_pos, use_cache=True, logits_to_keep=1,
+                       **{cache_kwarg_name(model): cache}).logits[:, -1, :]
     return logits, ids_b[:, -1:], pos[:, -1:] + 1
 
 
@@ -115,7 +125,7 @@ def fast_generate(model, ids: torch.Tensor, mask: torch.Tensor, stock_ids: torch
     R = ids.shape[0]
     cache = slot.cache
     Rb = cache.layers[0].suffix_padding.shape[0]
-    logits, last, pos = _prefill(model, cache, ids, mask, Rb)
+    logits, last, pos = _prefill(model, slot, ids, mask, Rb, decode)
     with optimized_for_decode(model):  # as stock's decode steps run (an MoE's experts: batched, capturable)
         step = step_for(model, slot, Rb, compile_config, decode)
         choice = step.choice_for(R, cache.layers[0].max_suffix_length, logits.shape[-1], sampler)

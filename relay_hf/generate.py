@@ -167,7 +167,7 @@ def _extend(rows_values, rows: int):
 
 def _run_relay(model, stock, call: dict, route: Route):
     grouping = route.grouping
-    layout = relay_layout(route.ids, route.mask, route.n_pad, grouping.prefix_lengths())
+    layout = relay_layout(route.ids, route.mask, route.n_pad, grouping.prefix_lengths(), route.suffix_columns)
     if route.user_cache is not None:
         return _run_relay_on(model, stock, call, route, layout, route.user_cache, 0)
     # each shared segment prefilled once, at batch 1, or taken from the model's prefix store; held while the call

@@ -1,9 +1,10 @@
 """Work captured as a CUDA graph: the states it lives through, and the capture itself (``capture_graph``), shared by
-the decode step (``step.py``) and the kept-prefix check (``freshness.py``).
+the decode step (``step.py``), the suffix prefill (``suffix_prefill.py``) and the kept-prefix check
+(``freshness.py``).
 
-Why one helper: both record work that a host-bound eager run would slow down, on the model's device whichever device
+Why one helper: each records work that a host-bound eager run would slow down, on the model's device whichever device
 is current, while other threads may run eager work on the model (a concurrent stock call, a prefill, a decode step);
-both warm up the same way torch's capture recipe does, on a side stream (``on_side_stream``).
+each warms up the same way torch's capture recipe does, on a side stream (``on_side_stream``).
 """
 
 from __future__ import annotations
@@ -61,17 +62,19 @@ def on_side_stream(fn: Callable[[], T], device: torch.device) -> T:
             torch.cuda.current_stream().wait_stream(side)
 
 
-def capture_graph(fn: Callable[[], T], device: torch.device, warm_up: bool = False) -> tuple[torch.cuda.CUDAGraph, T]:
+def capture_graph(fn: Callable[[], T], device: torch.device, warm_up: bool = False,
+                  pool=None) -> tuple[torch.cuda.CUDAGraph, T]:
     """``fn`` recorded as a CUDA graph on ``device`` (whichever device is current), after one eager run on a side
-    stream when ``warm_up``. Returns the graph, not yet replayed, and what ``fn`` returned while recording (tensors the
-    graph's replays write). Raises what the warm-up or the capture raised: nothing runs while recording, so what
-    ``fn`` would change is intact then, and the caller decides what a failure means."""
+    stream when ``warm_up``, in the memory ``pool`` of graphs it never runs beside (``None``: a pool of its own).
+    Returns the graph, not yet replayed, and what ``fn`` returned while recording (tensors the graph's replays
+    write). Raises what the warm-up or the capture raised: nothing runs while recording, so what ``fn`` would change
+    is intact then, and the caller decides what a failure means."""
     with torch.cuda.device(device):
         if warm_up:
             on_side_stream(fn, device)
         graph = torch.cuda.CUDAGraph()
         # thread_local: another thread's eager work on the model (a concurrent stock call, a prefill, a decode step)
         # neither breaks this capture nor is refused while it runs
-        with torch.cuda.graph(graph, capture_error_mode="thread_local"):
+        with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
             out = fn()
     return graph, out

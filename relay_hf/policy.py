@@ -111,7 +111,8 @@ class Route:
         decode_step: how relay_hf's loop runs each step (``loop_rules.DECODE_STEPS``), ``""`` off it.
         new_tokens: tokens stock ``generate`` would make at most. ``static_capacity``: suffix positions of the
             static cache; ``static_rows``: its rows (on relay_hf's loop the batch rounded up to a capture size,
-            ``DecodeConfig.bucket``). ``ids`` / ``mask`` ``[B, T]``; ``n_pad`` ``[B]``
+            ``DecodeConfig.bucket``); ``suffix_columns``: the layout's suffix columns at least (a recorded
+            prefill's length, ``DecodeConfig.prefill_length``). ``ids`` / ``mask`` ``[B, T]``; ``n_pad`` ``[B]``
             left pads; ``user_cache``: the caller's ``RelayCache`` (never mutated); ``grouping``: what the rows
             share (the tree to prefill, or the caller's cache's, and each input row's path in it); ``gen``: the
             resolved config; ``processors``: stock's processors relay_hf's loop reproduces
@@ -130,6 +131,7 @@ class Route:
     new_tokens: int = 0
     static_capacity: int = 0
     static_rows: int = 0
+    suffix_columns: int = 0
     ids: torch.Tensor | None = field(default=None, repr=False)
     mask: torch.Tensor | None = field(default=None, repr=False)
     n_pad: torch.Tensor | None = field(default=None, repr=False)
@@ -199,9 +201,8 @@ def kernel_check(model) -> str | None:
 
 
 def continuous_reason(model, cb_config) -> str | None:
-    """Why a continuous-batching manager of ``model`` (``generate_batch``, ``init_continuous_batching``, a server)
-    must run stock continuous batching, or ``None``: relay serves its steps. ``cb_config``: the
-    ``ContinuousBatchingConfig`` asked for, or ``None``. ``continuous_route`` says which road serves them."""
+    """Why a continuous-batching manager of ``model`` (``cb_config``: the ``ContinuousBatchingConfig`` asked for, or
+    ``None``) must run stock continuous batching, or ``None``: relay serves its steps (``continuous_route``)."""
     return continuous_route(model, cb_config)[0]
 
 
@@ -292,14 +293,10 @@ def cost_reason(rows: int, prefix_length: int, device: torch.device, min_prefix_
     return None
 
 
-def _generate_params(model) -> set[str]:
-    sig = inspect.signature(type(model).generate)
-    return {n for n, p in sig.parameters.items() if p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL)}
-
-
 def resolve(model, call: dict) -> GenerationConfig:
     """The generation config stock ``generate`` would run this call with (one resolution per call)."""
-    params = _generate_params(model)
+    sig = inspect.signature(type(model).generate)
+    params = {n for n, p in sig.parameters.items() if p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL)}
     kwargs = {k: v for k, v in call.items() if k not in params}
     return resolve_generation_config(model, call.get("generation_config"), kwargs)[0]
 
@@ -409,15 +406,18 @@ def _decide(model, call: dict) -> Route:
     if why is not None:
         raise RunStock(why)
     static, compiled = static_shape(model, gen, cache, grouping, fast)
-    capacity = 0
+    capacity = suffix = 0
     if static:  # rounded up so similar calls reuse one captured step
         suffix = max(T - int(n) - p for n, p in zip(n_pad.tolist(), prefix_lengths))
+        if captured and grouping.single:  # laid out at a recorded prefill's length
+            suffix = DEFAULT_DECODE.prefill_length(DEFAULT_DECODE.bucket(rows), suffix) or suffix
         capacity = -(-(suffix + n_new) // STATIC_ROUNDING) * STATIC_ROUNDING
     return Route(True, "relay", rows=rows, prefix_length=P, static=static, fast_decode=fast,
                  loop_reason="relay_hf decode loop" if fast else loop_why,
                  decode_step=decode_step(model, gen, fast, compiled), new_tokens=n_new, static_capacity=capacity,
-                 static_rows=DEFAULT_DECODE.bucket(rows) if fast else rows, ids=ids, mask=mask, n_pad=n_pad,
-                 user_cache=cache, grouping=grouping, gen=gen, compile_config=compiled, processors=processors)
+                 static_rows=DEFAULT_DECODE.bucket(rows) if fast else rows, suffix_columns=suffix, ids=ids, mask=mask,
+                 n_pad=n_pad, user_cache=cache, grouping=grouping, gen=gen, compile_config=compiled,
+                 processors=processors)
 
 
 def eligible(model, call: dict) -> None:

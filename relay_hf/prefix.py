@@ -385,15 +385,17 @@ class RowLayout:
         return torch.cat([self.stock_ids.repeat_interleave(per, 0).to(ids.device), ids[:, self.columns:]], 1)
 
 
-def relay_layout(input_ids: torch.Tensor, mask: torch.Tensor, n_pad: torch.Tensor, prefix_lengths) -> RowLayout:
+def relay_layout(input_ids: torch.Tensor, mask: torch.Tensor, n_pad: torch.Tensor, prefix_lengths,
+                 suffix_columns: int = 0) -> RowLayout:
     """Lay left-padded rows out for relay: row ``b``'s first ``prefix_lengths[b]`` real tokens in the prefix columns,
-    its remaining ones right-aligned after them (module docstring). Masked columns hold the batch's own pad token
-    (``0`` when nothing is padded)."""
+    its remaining ones right-aligned after them (module docstring), in at least ``suffix_columns`` suffix columns (a
+    recorded prefill's length: more masked columns in front). Masked columns hold the batch's own pad token (``0``
+    when nothing is padded)."""
     B, T = input_ids.shape
     dev = input_ids.device
     P_b = torch.as_tensor(prefix_lengths, device=dev).long().reshape(-1).expand(B)
     s_b = T - n_pad.to(dev) - P_b  # [B] suffix tokens
-    P, S = int(P_b.max()), int(s_b.max())
+    P, S = int(P_b.max()), max(int(s_b.max()), suffix_columns)
     cols = P + S
     j = torch.arange(cols, device=dev)[None]  # [1, cols]
     in_prefix = j < P_b[:, None]

@@ -18,11 +18,13 @@ from .store import PrefixStore
 
 @dataclass(eq=False)
 class StaticSlot:
-    """A static ``RelayCache`` and the decode step relay_hf's loop compiled / captured on its buffers (or ``None``).
-    Kept together: a CUDA graph replays on the exact buffers it was recorded with."""
+    """A static ``RelayCache``, the decode step relay_hf's loop compiled / captured on its buffers and its recorded
+    suffix prefills (``suffix_prefill.SuffixPrefill``; each ``None`` until made). Kept together: a CUDA graph replays
+    on the exact buffers it was recorded with."""
 
     cache: object
     stepper: object = None
+    prefill: object = None
 
 
 @dataclass(eq=False)

@@ -624,14 +624,14 @@ def test_captured_loop_with_several_prompts_replays_each_calls_layout_on_gpu():
     assert slots[1] == slots[0] and slots[2] == slots[0]
 
 
-def _count_captures(monkeypatch, fail_from: int | None = None) -> list[dict]:
-    """Records the keyword arguments of each CUDA graph capture (``torch.cuda.graph``) from now on; the
-    ``fail_from``-th capture and every later one fail before recording anything."""
+def _count_captures(monkeypatch, fail: tuple[int, ...] = ()) -> list[dict]:
+    """Records the keyword arguments of each CUDA graph capture (``torch.cuda.graph``) from now on; the captures
+    numbered in ``fail`` (from 1) fail before recording anything."""
     real, calls = torch.cuda.graph, []
 
     def graph(cuda_graph, **kwargs):
         calls.append(kwargs)
-        if fail_from is not None and len(calls) >= fail_from:
+        if len(calls) in fail:
             raise RuntimeError("no capture here")
         return real(cuda_graph, **kwargs)
 
@@ -641,9 +641,11 @@ def _count_captures(monkeypatch, fail_from: int | None = None) -> list[dict]:
 
 @pytest.mark.gpu
 def test_the_step_warms_up_then_captures_its_forward_and_choice_once_on_gpu(monkeypatch):
-    """fp32 on CUDA: the forward runs ``WARM_UP_STEPS`` eager steps (a call of that many steps captures nothing),
-    then the next step captures the forward and its choice, each in thread-local error mode; later calls with the
-    same settings replay both, and a new sampler gets a choice of its own, captured in its first step."""
+    """fp32 on CUDA: the rows' own tokens are prefilled and that prefill recorded in the first call (its suffix fits
+    ``DecodeConfig.prefill_lengths``); the forward runs ``WARM_UP_STEPS`` eager steps (a call of that many steps
+    captures no step), then the next step captures the forward and its choice, each in thread-local error mode;
+    later calls with the same settings replay all three, and a new sampler gets a choice of its own, captured in its
+    first step."""
     model = tiny_model("llama").cuda()
     ids, mask, _ = shared_prefix_batch(seed=42)
     ids, mask = ids.cuda(), mask.cuda()
@@ -655,48 +657,54 @@ def test_the_step_warms_up_then_captures_its_forward_and_choice_once_on_gpu(monk
     seen = []
     for call, out in zip(calls, stock, strict=True):
         assert torch.equal(_loop(model, ids, mask, **call), out)
-        step = relay_state(model).idle_static().stepper
+        slot = relay_state(model).idle_static()
+        step = slot.stepper
         seen.append(dict(step=step, forward=step.state, choice=step.choice, chosen=step.choice.state,
-                         captures=len(captures)))
+                         captures=len(captures), prefills=dict(slot.prefill.graphs)))
     warm, first, again, other = seen
-    assert warm["forward"] == Warming(0) and warm["chosen"] == Pending() and warm["captures"] == 0
-    assert first["step"] is warm["step"] and first["captures"] == 2
+    assert warm["forward"] == Warming(0) and warm["chosen"] == Pending() and warm["captures"] == 1
+    assert len(warm["prefills"]) == 1 and all(p.__class__ is not Eager for p in warm["prefills"].values())
+    assert first["step"] is warm["step"] and first["captures"] == 3 and first["prefills"] == warm["prefills"]
     assert isinstance(first["forward"], Captured) and isinstance(first["chosen"], Captured)
     assert again["step"] is first["step"] and again["forward"] is first["forward"]
-    assert again["choice"] is first["choice"] and again["chosen"] is first["chosen"] and again["captures"] == 2
+    assert again["choice"] is first["choice"] and again["chosen"] is first["chosen"] and again["captures"] == 3
     assert other["step"] is first["step"] and other["forward"] is first["forward"]
-    assert other["choice"] is not first["choice"] and isinstance(other["chosen"], Captured) and other["captures"] == 3
-    assert all(kwargs == dict(capture_error_mode="thread_local") for kwargs in captures)
+    assert other["choice"] is not first["choice"] and isinstance(other["chosen"], Captured) and other["captures"] == 4
+    assert all(kwargs["capture_error_mode"] == "thread_local" for kwargs in captures)
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("what, fail_from", [("step", 1), ("choice", 2)])
-def test_a_capture_that_fails_is_warned_once_and_not_retried_on_gpu(monkeypatch, what, fail_from):
-    """fp32 on CUDA, every capture from the ``fail_from``-th on failing: the part that failed (the forward, or the
-    choice after the forward was captured) runs as eager ops, with stock's tokens and RNG; one warning, and the next
-    call on the kept step neither captures it again nor warns."""
+@pytest.mark.parametrize("what, fail", [("prefill", 1), ("step", 2), ("choice", 3)])
+def test_a_capture_that_fails_is_warned_once_and_not_retried_on_gpu(monkeypatch, what, fail):
+    """fp32 on CUDA, the ``fail``-th capture failing (the suffix prefill's, the forward's, or the choice's after the
+    forward was captured): that part runs as eager ops, with stock's tokens and RNG; one warning, and the next call on
+    the kept slot neither captures it again nor warns."""
     model = tiny_model("qwen2").cuda()
     ids, mask, _ = shared_prefix_batch(seed=43)
     ids, mask = ids.cuda(), mask.cuda()
     gen = dict(max_new_tokens=12, do_sample=True, top_k=20)
     stock, draw = run_stock(model, ids, mask, **gen), torch.rand(3, device="cuda")
     relay_hf.patch(model, **GRAPH, prefix_cache_bytes=0)  # no kept prefixes: their check captures a graph of its own
-    captures = _count_captures(monkeypatch, fail_from)
+    captures = _count_captures(monkeypatch, (fail,))
     for call in range(2):
         with _relay_warnings() as found:
             out = _loop(model, ids, mask, **gen)
         assert torch.equal(out, stock) and torch.equal(torch.rand(3, device="cuda"), draw)
         assert model.relay_last_decision.fast_decode
-        step = relay_state(model).idle_static().stepper
+        slot = relay_state(model).idle_static()
+        step, (prefill,) = slot.stepper, slot.prefill.graphs.values()
+        assert (prefill.__class__ is Eager) == (what == "prefill")
         if what == "step":  # the choice follows its eager forward
             assert isinstance(step.state, Eager) and step.choice.state == step.state and not step.captures
         else:
-            assert isinstance(step.state, Captured) and isinstance(step.choice.state, Eager)
-        failed = step.state if what == "step" else step.choice.state
+            assert isinstance(step.state, Captured)
+            assert isinstance(step.choice.state, Eager) == (what == "choice")
+        failed = {"prefill": prefill, "step": step.state, "choice": step.choice.state}[what]
         assert "no capture here" in failed.reason
-        assert len(captures) == fail_from  # tried once, in the first call
+        assert len(captures) == 3 - (what == "step")  # each tried once, in the first call (no choice after a step)
         if call == 0:
-            assert len(found) == 1 and f"capturing the decode {what} failed" in found[0], found
+            name = "suffix prefill" if what == "prefill" else f"decode {what}"
+            assert len(found) == 1 and f"capturing the {name} failed" in found[0], found
         else:
             assert not found
 

@@ -149,14 +149,17 @@ def test_a_tree_from_prefixes_stores_shared_parts_once_and_rows_read_the_deepest
 
 
 # -- the relay layout ----------------------------------------------------------------------------------------------
-def test_relay_layout_puts_each_prefix_first_and_maps_back():
+@pytest.mark.parametrize("extra", [0, 7])
+def test_relay_layout_puts_each_prefix_first_and_maps_back(extra):
+    """Also at more suffix columns than the longest suffix needs (a recorded prefill's length): masked ones."""
     ids, mask = left_pad(MIXED)
     n_pad = left_padding(mask)
     grouping = find_groups(ids, n_pad, 32)
     lengths = grouping.prefix_lengths()
-    layout = relay_layout(ids, mask, n_pad, lengths)
+    longest = max(len(r) - p for r, p in zip(MIXED, lengths))
+    layout = relay_layout(ids, mask, n_pad, lengths, suffix_columns=longest + extra - 3 * (not extra))
     P, cols = layout.prefix_columns, layout.columns
-    assert P == max(lengths) and cols == P + max(len(r) - p for r, p in zip(MIXED, lengths))
+    assert P == max(lengths) and cols == P + longest + extra
     for b, (row, p) in enumerate(zip(MIXED, lengths)):
         s = len(row) - p
         assert torch.equal(layout.ids[b, :p], row[:p]) and torch.equal(layout.ids[b, cols - s:], row[p:])

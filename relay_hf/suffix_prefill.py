@@ -1,0 +1,86 @@
+"""The rows' own tokens (their suffixes) prefilled after a kept prefix, replayed as a CUDA graph per suffix length
+(``SuffixPrefill``), kept with the static cache it writes (``state.StaticSlot.prefill``).
+
+Why: a chat turn under a kept system prompt prefills a few dozen own tokens. Run as eager ops that is some thirty
+launches per layer, so the host, not the GPU, sets the time to the first token (``benchmarks/generate.py --only
+ttft``, docs/performance.md). Replayed, the same forward costs its GPU time.
+
+How: ``policy`` lays such a call out at a suffix length of ``DecodeConfig.prefill_lengths`` (the extra columns are
+left padding, masked like any pad, so the result is exact), so a few graphs per slot serve every turn. A length's
+first prefill runs eagerly on a side stream (its plans made, its kernels built, the allocator's blocks in place:
+torch's capture recipe) and gives the call its logits; the graph is recorded after it (recording runs nothing) and
+replayed from the next call on. The graphs of one slot share one memory pool: each replay's logits are read before
+anything else replays.
+"""
+
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass
+
+import torch
+
+from .graphs import Eager, capture_graph, on_side_stream
+
+
+def _forward(model, name: str, cache, ids: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+    """The model on ``ids`` / ``pos`` ``[Rb, L]`` int64 after the cache's prefix; the last logits ``[Rb, V]``."""
+    return model(input_ids=ids, position_ids=pos, use_cache=True, logits_to_keep=1, **{name: cache}).logits[:, -1, :]
+
+
+@dataclass(frozen=True, slots=True)
+class _Graph:
+    """One length's recorded prefill: its inputs ``ids`` / ``pos`` ``[Rb, L]`` int64 and its output ``logits``
+    ``[Rb, V]``, the buffers every replay reads and writes."""
+
+    graph: torch.cuda.CUDAGraph
+    ids: torch.Tensor
+    pos: torch.Tensor
+    logits: torch.Tensor
+
+
+class SuffixPrefill:
+    """Suffix prefills on one static cache, by (shape, kernel configuration): ``_Graph`` once recorded, ``Eager`` when
+    recording failed (warned once, never retried), absent before the first run."""
+
+    def __init__(self, name: str):
+        self.name = name  # the forward's cache argument (``_compat.cache_kwarg_name``)
+        self.graphs: dict[tuple, _Graph | Eager] = {}
+        self.pool = None  # the memory pool the graphs share
+
+    def __deepcopy__(self, memo):  # a CUDA graph cannot be copied; a copied model records its own
+        return None
+
+    def __call__(self, model, cache, ids: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+        """The last logits ``[Rb, V]`` of ``ids`` / ``pos`` ``[Rb, L]`` prefilled into ``cache`` (CUDA, its suffix
+        empty). A replay's logits are the graph's own buffer: read them before the next prefill of this length."""
+        from .kernels.config import active_config
+
+        key = ids.shape, active_config()  # the recorded launches follow the kernel configuration in force
+        entry = self.graphs.get(key)
+        if entry is None:
+            return self._first(model, cache, ids, pos, key)
+        if entry.__class__ is Eager:
+            return _forward(model, self.name, cache, ids, pos)
+        entry.ids.copy_(ids)
+        entry.pos.copy_(pos)
+        entry.graph.replay()
+        return entry.logits
+
+    def _first(self, model, cache, ids: torch.Tensor, pos: torch.Tensor, key: tuple) -> torch.Tensor:
+        ids_in, pos_in = ids.clone(), pos.clone()  # the graph's inputs
+
+        def run():
+            return _forward(model, self.name, cache, ids_in, pos_in)
+
+        logits = on_side_stream(run, model.device)  # this call's result, and the capture recipe's warm-up
+        try:
+            graph, out = capture_graph(run, model.device, pool=self.pool)  # records only: the cache stays as filled
+        except Exception as err:  # noqa: BLE001 - prefill eagerly rather than lose the call
+            reason = f"capturing the suffix prefill failed ({type(err).__name__}: {err})"
+            warnings.warn(f"relay_hf: {reason}; prefilling without a CUDA graph", RuntimeWarning, stacklevel=4)
+            self.graphs[key] = Eager(reason)
+            return logits
+        self.pool = graph.pool()
+        self.graphs[key] = _Graph(graph, ids_in, pos_in, out)
+        return logits

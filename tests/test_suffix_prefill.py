@@ -1,0 +1,83 @@
+"""The rows' own tokens prefilled at a recorded length (``relay_hf/suffix_prefill.py``; the lengths in
+``DecodeConfig.prefill_lengths``): the extra suffix columns are masked padding, so tokens stay stock's (on the CPU
+with the layout widened by hand, on CUDA as ``patch`` lays calls out), and on CUDA a chat turn under a pinned prompt
+replays one recorded prefill per length."""
+
+import dataclasses
+
+import pytest
+import torch
+
+import relay_hf
+from relay_hf import generate as generate_module
+from relay_hf.graphs import Eager
+from relay_hf.state import relay_state
+from relay_hf.step import DEFAULT_DECODE, DecodeConfig
+from relay_hf.suffix_prefill import _Graph
+from tests.helpers import VOCAB, run_stock, shared_prefix_batch, tiny_model
+
+
+def test_prefill_length_is_the_next_recorded_length_within_the_token_budget():
+    decode = DecodeConfig(prefill_lengths=(16, 64), prefill_tokens=256)
+    assert [decode.prefill_length(1, s) for s in (1, 16, 17, 64, 65)] == [16, 16, 64, 64, None]
+    assert decode.prefill_length(4, 40) == 64 and decode.prefill_length(8, 40) is None  # 8 x 64 > 256
+    assert decode.prefill_length(16, 3) == 16 and decode.prefill_length(17, 3) is None
+    assert DecodeConfig(prefill_lengths=()).prefill_length(1, 1) is None
+    assert all(DEFAULT_DECODE.prefill_length(1, n) == n for n in DEFAULT_DECODE.prefill_lengths)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_a_call_laid_out_at_more_suffix_columns_gives_stock_tokens(monkeypatch, arch):
+    """On the CPU, relay_hf's loop (``decode="graph"``) with every call's layout widened as a recorded length would
+    widen it (``Route.suffix_columns``, the static capacity with it): greedy and sampled, the tokens and the RNG are
+    stock's, and the slot was laid out that wide."""
+    model = tiny_model(arch)
+    ids, mask, _ = shared_prefix_batch(suffix_lens=(3, 9, 1), seed=70)
+    real = generate_module.decide
+
+    def widened(model, call):
+        route = real(model, call)
+        return dataclasses.replace(route, suffix_columns=route.suffix_columns + 13,
+                                   static_capacity=route.static_capacity + 16) if route.static else route
+
+    monkeypatch.setattr(generate_module, "decide", widened)
+    for gen in (dict(max_new_tokens=8, do_sample=False), dict(max_new_tokens=8, do_sample=True, top_k=20)):
+        stock, draw = run_stock(model, ids, mask, **gen), torch.rand(3)
+        relay_hf.patch(model, min_prefix_length=8, decode="graph")
+        torch.manual_seed(0)
+        out = model.generate(ids, attention_mask=mask, **gen)
+        assert model.relay_last_decision.fast_decode, model.relay_last_decision
+        assert torch.equal(out, stock) and torch.equal(torch.rand(3), draw), gen
+        padding = relay_state(model).idle_static().cache.layers[0].suffix_padding
+        assert int(padding[:3].min()) == 13  # the longest row's suffix starts after 13 masked columns
+
+
+@pytest.mark.gpu
+def test_chat_turns_under_a_pinned_prompt_replay_one_recorded_prefill_per_length_on_gpu():
+    """fp32 on CUDA: one-row turns under a pinned prompt, with own tokens of lengths in two recorded lengths (16 and
+    32) and again: each length is recorded once (its first turn runs eagerly, then records), later turns replay it,
+    and every turn's tokens are stock's; a batch of rows under the same prompt too."""
+    model = tiny_model("llama").cuda()
+    g = torch.Generator().manual_seed(71)
+    prompt = torch.randint(3, VOCAB, (40,), generator=g)
+    turns = [torch.cat([prompt, torch.randint(3, VOCAB, (n,), generator=g)])[None].cuda() for n in (5, 11, 20, 3, 27)]
+    gen = dict(max_new_tokens=6, do_sample=False)
+    stock = [run_stock(model, row, torch.ones_like(row), **gen) for row in turns]
+    relay_hf.patch(model)
+    relay_hf.pin(model, prompt)
+    recorded = []
+    for row, out in zip(turns, stock, strict=True):
+        assert torch.equal(model.generate(row, attention_mask=torch.ones_like(row), **gen), out)
+        decision = model.relay_last_decision
+        assert decision.fast_decode and decision.prefix_kept == 40, decision
+        graphs = relay_state(model).idle_static().prefill.graphs
+        assert all(isinstance(entry, _Graph) for entry in graphs.values())
+        recorded.append({key[0][1]: entry for key, entry in graphs.items()})  # by recorded length
+    assert [sorted(r) for r in recorded] == [[16], [16], [16, 32], [16, 32], [16, 32]]
+    assert recorded[-1][16] is recorded[0][16] and recorded[-1][32] is recorded[2][32]  # replayed, not recorded again
+    ids, mask, _ = shared_prefix_batch(suffix_lens=(3, 9, 1, 6), seed=72)
+    ids, mask = ids.cuda(), mask.cuda()
+    out = run_stock(model, ids, mask, **gen)
+    relay_hf.patch(model, min_prefix_length=8)
+    assert torch.equal(model.generate(ids, attention_mask=mask, **gen), out)
+    assert not any(isinstance(e, Eager) for e in relay_state(model).idle_static().prefill.graphs.values())

@@ -24,6 +24,8 @@ so every call makes exactly ``max_new_tokens`` tokens. Modes:
 Every number is the wall time of whole ``generate`` calls, the device synchronised around each call; nothing is
 hooked inside relay_hf or transformers. Per (mode, S, B) point, in this order:
 
+* ``patch`` (s, relay modes): ``relay_hf.patch(model)`` (its probe included; at a process's first point, the
+  fresh process's).
 * ``cold_first_call`` (s): the first N-token call at this point (compilation and graph capture of a new shape).
 * ``ttft`` (s): a warm 1-token call (prefill and the first token; relay modes: the system prompt kept by an earlier
   call, ``patch(model, prefix_cache_bytes=...)``); ``ttft_new_prompt`` (s, relay modes): the same call with the
@@ -82,6 +84,8 @@ from .common import (
 SHAPES = {
     "llama3-8b": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
                       num_key_value_heads=8, vocab_size=128256, rope_theta=500000.0),
+    "qwen2-7b": dict(config="Qwen2Config", hidden_size=3584, intermediate_size=18944, num_hidden_layers=28,
+                     num_attention_heads=28, num_key_value_heads=4, vocab_size=152064, rope_theta=1000000.0),
     "smollm2-135m": dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
                          num_key_value_heads=3, vocab_size=49152, rope_theta=100000.0, tie_word_embeddings=True),
     "tiny": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
@@ -202,8 +206,12 @@ def generate_point(model, mode: str, S: int, B: int, U: int, N: int, M: int, rep
     vocab = model.config.vocab_size
     system = torch.randint(10, vocab, (groups, S), generator=torch.Generator().manual_seed(seed * 131 + S)).to(device)
     inputs = _inputs(system, B, U, vocab, seed * 7 + B)
-    make_kwargs = _kwargs_for(model, mode, system, stock_prefill_chunk)
     cuda = device.type == "cuda"
+    started = time.perf_counter()
+    make_kwargs = _kwargs_for(model, mode, system, stock_prefill_chunk)
+    if cuda:
+        torch.cuda.synchronize(device)
+    patch_s = time.perf_counter() - started  # relay modes: ``relay_hf.patch``, its probe included
     if cuda:
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(device)
@@ -236,6 +244,8 @@ def generate_point(model, mode: str, S: int, B: int, U: int, N: int, M: int, rep
         return out
 
     with torch.no_grad():
+        if mode.startswith("relay"):
+            add("patch", "s", dict(median=patch_s, n=1), dict(relay_used=False, relay_loop=False))
         add("cold_first_call", "s", dict(median=call(N), n=1), decision())
         call(M)  # warm-up: every call shape compiled and captured before the timed calls
         if "ttft" in only:

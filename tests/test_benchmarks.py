@@ -95,8 +95,8 @@ def test_generate_cpu_smoke_run_measures_every_column(tmp_path, one_thread):
                 "new_batch_first_call", "longer_prompt_call", "streamed_step", "kv_memory"}
     for mode in generate.MODES:
         got = {r["metric"]: r for r in rows if r["mode"] == mode}
-        relay = mode.startswith("relay")  # relay modes also time the first token with the system prompt prefilled again
-        assert set(got) == expected | {"ttft_one_row"} | ({"ttft_new_prompt"} if relay else set()), mode
+        relay = mode.startswith("relay")  # relay modes also time patch, and the first token with a new prompt
+        assert set(got) == expected | {"ttft_one_row"} | ({"ttft_new_prompt", "patch"} if relay else set()), mode
         step = float(got["step"]["median"])  # a difference of two wall times: on tiny shapes it can be <= 0
         for metric, r in got.items():
             if metric != "tok_per_s" or step > 0:
@@ -120,10 +120,11 @@ def test_generate_groups_sweep_measures_what_is_asked_and_relay_holds_less_kv(tm
     rows = common.read_rows(path)
     points = {(r["mode"], r["groups"]) for r in rows}
     assert points == {("stock", "1"), ("stock", "2"), ("relay", "1"), ("relay", "2"), ("prefix_reuse", "1")}
-    assert {r["metric"] for r in rows} == {"cold_first_call", "step", "tok_per_s", "bandwidth", "kv_memory"}
+    assert {r["metric"] for r in rows} == {"patch", "cold_first_call", "step", "tok_per_s", "bandwidth", "kv_memory"}
+    assert {r["mode"] for r in rows if r["metric"] == "patch"} == {"relay"}
     kv = {(r["mode"], r["groups"]): float(r["median"]) for r in rows if r["metric"] == "kv_memory"}
     assert kv[("relay", "2")] < kv[("stock", "2")] and kv[("relay", "1")] < kv[("relay", "2")]
-    assert all(r["relay_used"] == str(r["mode"] == "relay") for r in rows)
+    assert all(r["relay_used"] == str(r["mode"] == "relay") for r in rows if r["metric"] != "patch")
 
 
 def test_append_rows_keeps_one_schema_per_file(tmp_path):

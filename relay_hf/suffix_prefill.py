@@ -41,11 +41,13 @@ class _Graph:
 
 class SuffixPrefill:
     """Suffix prefills on one static cache, by (shape, kernel configuration): ``_Graph`` once recorded, ``Eager`` when
-    recording failed (warned once, never retried), absent before the first run."""
+    recording failed, absent before the first run. After one failure (warned once) every prefill runs as eager ops:
+    what failed to record at one length (an MoE's data-dependent routing) fails at every other."""
 
     def __init__(self, name: str):
         self.name = name  # the forward's cache argument (``_compat.cache_kwarg_name``)
         self.graphs: dict[tuple, _Graph | Eager] = {}
+        self.failed: Eager | None = None
         self.pool = None  # the memory pool the graphs share
 
     def __deepcopy__(self, memo):  # a CUDA graph cannot be copied; a copied model records its own
@@ -58,10 +60,10 @@ class SuffixPrefill:
 
         key = ids.shape, active_config()  # the recorded launches follow the kernel configuration in force
         entry = self.graphs.get(key)
+        if self.failed is not None:
+            return _forward(model, self.name, cache, ids, pos)
         if entry is None:
             return self._first(model, cache, ids, pos, key)
-        if entry.__class__ is Eager:
-            return _forward(model, self.name, cache, ids, pos)
         entry.ids.copy_(ids)
         entry.pos.copy_(pos)
         entry.graph.replay()
@@ -79,7 +81,7 @@ class SuffixPrefill:
         except Exception as err:  # noqa: BLE001 - prefill eagerly rather than lose the call
             reason = f"capturing the suffix prefill failed ({type(err).__name__}: {err})"
             warnings.warn(f"relay_hf: {reason}; prefilling without a CUDA graph", RuntimeWarning, stacklevel=4)
-            self.graphs[key] = Eager(reason)
+            self.graphs[key] = self.failed = Eager(reason)
             return logits
         self.pool = graph.pool()
         self.graphs[key] = _Graph(graph, ids_in, pos_in, out)

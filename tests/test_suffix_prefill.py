@@ -26,12 +26,13 @@ def test_prefill_length_is_the_next_recorded_length_within_the_token_budget():
     assert all(DEFAULT_DECODE.prefill_length(1, n) == n for n in DEFAULT_DECODE.prefill_lengths)
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2"])
-def test_a_call_laid_out_at_more_suffix_columns_gives_stock_tokens(monkeypatch, arch):
+@pytest.mark.parametrize("arch, window", [("llama", None), ("qwen2", None), ("mistral", 16)])
+def test_a_call_laid_out_at_more_suffix_columns_gives_stock_tokens(monkeypatch, arch, window):
     """On the CPU, relay_hf's loop (``decode="graph"``) with every call's layout widened as a recorded length would
     widen it (``Route.suffix_columns``, the static capacity with it): greedy and sampled, the tokens and the RNG are
-    stock's, and the slot was laid out that wide."""
-    model = tiny_model(arch)
+    stock's, and the slot was laid out that wide; also with a sliding window shorter than the prompt (the masked
+    columns do not count as positions)."""
+    model = tiny_model(arch, **({} if window is None else dict(sliding_window=window)))
     ids, mask, _ = shared_prefix_batch(suffix_lens=(3, 9, 1), seed=70)
     real = generate_module.decide
 

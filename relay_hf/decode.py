@@ -20,13 +20,13 @@ import torch
 from ._compat import cache_kwarg_name, optimized_for_decode
 from .sampling import Sampler, choose
 from .step import DEFAULT_DECODE, DecodeConfig, step_for
-from .suffix_prefill import SuffixPrefill
+from .suffix_prefill import SuffixPrefill, recorded_length
 
 
 def _prefill(model, slot, ids: torch.Tensor, mask: torch.Tensor, rows: int, decode: DecodeConfig):
     """The rows' own tokens after the cached prefix (``ids`` / ``mask`` ``[R, T]``, relay layout), at ``rows >= R``
-    rows: the extra rows copy row 0. Recorded as a CUDA graph per suffix length where ``decode.prefill_length``
-    allows (one prefix, CUDA; ``suffix_prefill.py``), else eager ops. Returns the last logits ``[rows, V]``, and the
+    rows: the extra rows copy row 0. Recorded as a CUDA graph per suffix length where ``recorded_length`` allows
+    (one prefix, CUDA; ``suffix_prefill.py``), else eager ops. Returns the last logits ``[rows, V]``, and the
     last tokens and their next positions, ``[rows, 1]`` int64 each (the decode step's first inputs)."""
     fill = torch.zeros(rows - ids.shape[0], dtype=torch.long, device=ids.device)
     ids_b, mask_b = torch.cat([ids, ids[fill]]), torch.cat([mask, mask[fill]])
@@ -35,7 +35,7 @@ def _prefill(model, slot, ids: torch.Tensor, mask: torch.Tensor, rows: int, deco
     P = cache.prefix_length
     own_ids, own_pos = ids_b[:, P:], pos[:, P:]
     L = own_ids.shape[1]
-    if ids.is_cuda and cache.groups is None and decode.prefill_length(decode.bucket(ids.shape[0]), L) == L:
+    if ids.is_cuda and cache.groups is None and recorded_length(model, rows, L, decode) == L:
         if slot.prefill is None:
             slot.prefill = SuffixPrefill(cache_kwarg_name(model))
         logits = slot.prefill(model, cache, own_ids, own_pos)

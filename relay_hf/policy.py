@@ -47,6 +47,7 @@ from .sampling import LoopProcessors, loop_processors
 from .state import relay_state
 from .stats import head_shape, head_shapes
 from .step import DEFAULT_DECODE
+from .suffix_prefill import recorded_length
 
 # rows * prefix tokens below which the CUDA relay kernel is not measured to beat SDPA over the expanded prefix
 # (B=8, S=512: 1.31x; docs/performance.md, kernel table)
@@ -105,14 +106,13 @@ class Route:
         relay: relay serves the call; else stock ``generate`` runs it unchanged (a ``RelayCache`` argument removed).
         reason: ``"relay"`` or why not. ``expected``: a stock route the user would expect (no warning).
         rows: sequences decoded (batch x beams / return sequences). ``prefix_length``: shared tokens ``P``.
-        static: a static (compileable) ``RelayCache``; ``fast_decode``: relay_hf's own decode loop decodes,
-            compiled with ``compile_config`` (and captured as a CUDA graph on CUDA) where that is set
-            (``loop_reason`` says why not).
+        static: a static (compileable) ``RelayCache``; ``fast_decode``: relay_hf's own decode loop decodes, compiled
+            with ``compile_config`` (and captured as a CUDA graph on CUDA) where set (``loop_reason`` says why not).
         decode_step: how relay_hf's loop runs each step (``loop_rules.DECODE_STEPS``), ``""`` off it.
         new_tokens: tokens stock ``generate`` would make at most. ``static_capacity``: suffix positions of the
             static cache; ``static_rows``: its rows (on relay_hf's loop the batch rounded up to a capture size,
             ``DecodeConfig.bucket``); ``suffix_columns``: the layout's suffix columns at least (a recorded
-            prefill's length, ``DecodeConfig.prefill_length``). ``ids`` / ``mask`` ``[B, T]``; ``n_pad`` ``[B]``
+            prefill's length, ``suffix_prefill.recorded_length``). ``ids`` / ``mask`` ``[B, T]``; ``n_pad`` ``[B]``
             left pads; ``user_cache``: the caller's ``RelayCache`` (never mutated); ``grouping``: what the rows
             share (the tree to prefill, or the caller's cache's, and each input row's path in it); ``gen``: the
             resolved config; ``processors``: stock's processors relay_hf's loop reproduces
@@ -410,7 +410,7 @@ def _decide(model, call: dict) -> Route:
     if static:  # rounded up so similar calls reuse one captured step
         suffix = max(T - int(n) - p for n, p in zip(n_pad.tolist(), prefix_lengths))
         if captured and grouping.single:  # laid out at a recorded prefill's length
-            suffix = DEFAULT_DECODE.prefill_length(DEFAULT_DECODE.bucket(rows), suffix) or suffix
+            suffix = recorded_length(model, DEFAULT_DECODE.bucket(rows), suffix) or suffix
         capacity = -(-(suffix + n_new) // STATIC_ROUNDING) * STATIC_ROUNDING
     return Route(True, "relay", rows=rows, prefix_length=P, static=static, fast_decode=fast,
                  loop_reason="relay_hf decode loop" if fast else loop_why,

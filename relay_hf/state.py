@@ -40,6 +40,8 @@ class RelayState:
         prefix_cache_bytes: the initial budget of ``store``, the prefilled prefix segments kept between calls (``0``:
             none); it lives in ``store.budget_bytes`` from then on.
         counters: what ``relay_hf.stats`` reports.
+        prefill_eager: why the rows' own tokens are no longer prefilled as recorded CUDA graphs on this model (a
+            recording failed: ``suffix_prefill.py``), or ``None``.
     """
 
     original_attn: str
@@ -48,6 +50,7 @@ class RelayState:
     decode: str = "auto"
     prefix_cache_bytes: InitVar[int] = 0
     counters: Counters = field(default_factory=Counters, repr=False)  # ``relay_hf.stats``
+    prefill_eager: str | None = field(default=None, repr=False)
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
     _idle: list = field(default_factory=list, repr=False)
     _regions: dict = field(default_factory=dict, repr=False)
@@ -56,6 +59,10 @@ class RelayState:
     def __post_init__(self, prefix_cache_bytes: int):
         # prefilled prefix segments kept between calls (generate and the pipeline), within the budget
         self.store = PrefixStore(prefix_cache_bytes, segment_nbytes)
+
+    def stop_recording_prefills(self, reason: str) -> None:
+        """From now on this model's suffix prefills run as eager ops (``reason``: why its recording failed)."""
+        self.prefill_eager = reason
 
     def take_static(self, fits) -> StaticSlot | None:
         """The first idle slot (most recent first) for which ``fits(slot.cache)`` holds, now owned by the caller. When

@@ -56,10 +56,11 @@ class DecodeConfig:
             ``CompileConfig.options``. Combo kernels launch a layer's small independent kernels (norms, RoPE, cache
             writes) together, which shortened the compiled step (docs/performance.md, the ``relay_compiled`` rows;
             ``benchmarks/generate.py``). ``()``: inductor's defaults.
-        prefill_lengths: suffix lengths (own tokens per row) a prefill under one kept prefix is recorded for as a
-            CUDA graph (``suffix_prefill.py``); a shorter suffix is laid out at the next one, the extra columns
-            masked as padding. Only up to ``prefill_tokens`` rows x length: beyond, the prefill's GPU time dwarfs its
-            launches and a graph would only hold memory (``benchmarks/generate.py --only ttft``).
+        prefill_lengths: suffix lengths (own tokens per row) a prefill under one prefix is recorded for as a CUDA
+            graph (``suffix_prefill.py``); a shorter suffix is laid out at the next one, the extra columns masked as
+            padding (at most a third of the tokens past 32, where their compute starts to count). Only up to
+            ``prefill_tokens`` rows x length: beyond, the prefill's GPU time dwarfs its launches and a graph would
+            only hold memory (``benchmarks/generate.py --only ttft``).
     """
 
     chunk: int = 16
@@ -67,7 +68,7 @@ class DecodeConfig:
     row_step: int = 64
     capture_blas: str | None = "cublaslt"
     step_inductor_options: tuple[tuple[str, object], ...] = (("combo_kernels", True),)
-    prefill_lengths: tuple[int, ...] = (16, 32, 64, 128, 256)
+    prefill_lengths: tuple[int, ...] = (16, 32, 48, 64, 96, 128, 192, 256)
     prefill_tokens: int = 4096
 
     def prefill_length(self, rows: int, suffix: int) -> int | None:

@@ -5,8 +5,9 @@ Why: a chat turn under a kept system prompt prefills a few dozen own tokens. Run
 launches per layer, so the host, not the GPU, sets the time to the first token (``benchmarks/generate.py --only
 ttft``, docs/performance.md). Replayed, the same forward costs its GPU time.
 
-How: ``policy`` lays such a call out at a suffix length of ``DecodeConfig.prefill_lengths`` (the extra columns are
-left padding, masked like any pad, so the result is exact), so a few graphs per slot serve every turn. A length's
+How: ``policy`` lays such a call out at a suffix length of ``DecodeConfig.prefill_lengths`` (``recorded_length``; the
+extra columns are left padding, masked like any pad, so the result is exact), so a few graphs per slot serve every
+turn. A length's
 first prefill runs eagerly on a side stream (its plans made, its kernels built, the allocator's blocks in place:
 torch's capture recipe) and gives the call its logits; the graph is recorded after it (recording runs nothing) and
 replayed from the next call on. The graphs of one slot share one memory pool: each replay's logits are read before
@@ -21,6 +22,20 @@ from dataclasses import dataclass
 import torch
 
 from .graphs import Eager, capture_graph, on_side_stream
+from .state import relay_state
+from .stats import attention_windows
+from .step import DEFAULT_DECODE, DecodeConfig
+
+
+def recorded_length(model, rows: int, suffix: int, decode: DecodeConfig = DEFAULT_DECODE) -> int | None:
+    """The length a prefill of ``suffix`` own tokens at ``rows`` rows is laid out at and recorded for (CUDA, one
+    prefix: the caller's to check), or ``None``: it runs as eager ops at its own length. ``None`` also for a one-token
+    suffix (a one-row call's own prefix leaves one: its slot serves that prompt's length only, so nothing would
+    replay), for a model with sliding-window layers (their trimmed prefixes are read through work tables pinned for
+    the decode step's shape) and once a recording failed on the model (``RelayState.prefill_eager``)."""
+    if suffix < 2 or relay_state(model).prefill_eager is not None or any(attention_windows(model)):
+        return None
+    return decode.prefill_length(rows, suffix)
 
 
 def _forward(model, name: str, cache, ids: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
@@ -41,13 +56,13 @@ class _Graph:
 
 class SuffixPrefill:
     """Suffix prefills on one static cache, by (shape, kernel configuration): ``_Graph`` once recorded, ``Eager`` when
-    recording failed, absent before the first run. After one failure (warned once) every prefill runs as eager ops:
-    what failed to record at one length (an MoE's data-dependent routing) fails at every other."""
+    recording failed, absent before the first run. A failure (warned once) ends recording on the model
+    (``RelayState.stop_recording_prefills``): what failed at one length (an MoE's data-dependent routing) fails at
+    every other, and its calls are no longer laid out wider."""
 
     def __init__(self, name: str):
         self.name = name  # the forward's cache argument (``_compat.cache_kwarg_name``)
         self.graphs: dict[tuple, _Graph | Eager] = {}
-        self.failed: Eager | None = None
         self.pool = None  # the memory pool the graphs share
 
     def __deepcopy__(self, memo):  # a CUDA graph cannot be copied; a copied model records its own
@@ -60,10 +75,10 @@ class SuffixPrefill:
 
         key = ids.shape, active_config()  # the recorded launches follow the kernel configuration in force
         entry = self.graphs.get(key)
-        if self.failed is not None:
-            return _forward(model, self.name, cache, ids, pos)
         if entry is None:
             return self._first(model, cache, ids, pos, key)
+        if entry.__class__ is Eager:
+            return _forward(model, self.name, cache, ids, pos)
         entry.ids.copy_(ids)
         entry.pos.copy_(pos)
         entry.graph.replay()
@@ -80,8 +95,10 @@ class SuffixPrefill:
             graph, out = capture_graph(run, model.device, pool=self.pool)  # records only: the cache stays as filled
         except Exception as err:  # noqa: BLE001 - prefill eagerly rather than lose the call
             reason = f"capturing the suffix prefill failed ({type(err).__name__}: {err})"
-            warnings.warn(f"relay_hf: {reason}; prefilling without a CUDA graph", RuntimeWarning, stacklevel=4)
-            self.graphs[key] = self.failed = Eager(reason)
+            # stacklevel: fast_generate's caller, as the decode step's warnings
+            warnings.warn(f"relay_hf: {reason}; prefilling without a CUDA graph", RuntimeWarning, stacklevel=5)
+            self.graphs[key] = Eager(reason)
+            relay_state(model).stop_recording_prefills(reason)
             return logits
         self.pool = graph.pool()
         self.graphs[key] = _Graph(graph, ids_in, pos_in, out)

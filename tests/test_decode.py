@@ -694,6 +694,7 @@ def test_a_capture_that_fails_is_warned_once_and_not_retried_on_gpu(monkeypatch,
         slot = relay_state(model).idle_static()
         step, (prefill,) = slot.stepper, slot.prefill.graphs.values()
         assert (prefill.__class__ is Eager) == (what == "prefill")
+        assert (relay_state(model).prefill_eager is not None) == (what == "prefill")  # no later call is widened
         if what == "step":  # the choice follows its eager forward
             assert isinstance(step.state, Eager) and step.choice.state == step.state and not step.captures
         else:

@@ -13,7 +13,7 @@ from relay_hf import generate as generate_module
 from relay_hf.graphs import Eager
 from relay_hf.state import relay_state
 from relay_hf.step import DEFAULT_DECODE, DecodeConfig
-from relay_hf.suffix_prefill import _Graph
+from relay_hf.suffix_prefill import _Graph, recorded_length
 from tests.helpers import VOCAB, run_stock, shared_prefix_batch, tiny_model
 
 
@@ -24,6 +24,19 @@ def test_prefill_length_is_the_next_recorded_length_within_the_token_budget():
     assert decode.prefill_length(16, 3) == 16 and decode.prefill_length(17, 3) is None
     assert DecodeConfig(prefill_lengths=()).prefill_length(1, 1) is None
     assert all(DEFAULT_DECODE.prefill_length(1, n) == n for n in DEFAULT_DECODE.prefill_lengths)
+
+
+def test_recorded_length_leaves_out_one_token_windowed_models_and_a_model_whose_recording_failed():
+    """A one-token suffix (a one-row call's own prefix leaves one), sliding-window layers (their trimmed prefixes'
+    tables are pinned for the decode shape) and a model whose recording failed run eagerly at their own length."""
+    model = relay_hf.patch(tiny_model("llama"))
+    assert recorded_length(model, 4, 9) == DEFAULT_DECODE.prefill_length(4, 9) == 16
+    assert recorded_length(model, 4, 1) is None
+    assert recorded_length(model, 1, 300) is None  # past the longest recorded length
+    windowed = relay_hf.patch(tiny_model("mistral", sliding_window=16))
+    assert recorded_length(windowed, 4, 9) is None
+    relay_state(model).stop_recording_prefills("no capture here")
+    assert recorded_length(model, 4, 9) is None and relay_state(model).prefill_eager == "no capture here"
 
 
 @pytest.mark.parametrize("arch, window", [("llama", None), ("qwen2", None), ("mistral", 16)])

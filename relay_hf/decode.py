@@ -20,7 +20,7 @@ import torch
 from ._compat import cache_kwarg_name, optimized_for_decode
 from .sampling import Sampler, choose
 from .step import DEFAULT_DECODE, DecodeConfig, step_for
-from .suffix_prefill import SuffixPrefill, recorded_length
+from .suffix_prefill import SuffixPrefill, prefill_logits, recorded_length
 
 
 def _prefill(model, slot, ids: torch.Tensor, mask: torch.Tensor, rows: int, decode: DecodeConfig):
@@ -33,15 +33,14 @@ def _prefill(model, slot, ids: torch.Tensor, mask: torch.Tensor, rows: int, deco
     pos = (mask_b.long().cumsum(-1) - 1).masked_fill(mask_b == 0, 0)  # stock's positions: pads get 0
     cache = slot.cache
     P = cache.prefix_length
-    own_ids, own_pos = ids_b[:, P:], pos[:, P:]
+    own_ids, own_pos, name = ids_b[:, P:], pos[:, P:], cache_kwarg_name(model)
     L = own_ids.shape[1]
     if ids.is_cuda and cache.groups is None and recorded_length(model, rows, L, decode) == L:
         if slot.prefill is None:
-            slot.prefill = SuffixPrefill(cache_kwarg_name(model))
+            slot.prefill = SuffixPrefill(name)
         logits = slot.prefill(model, cache, own_ids, own_pos)
     else:
-        logits = model(input_ids=own_ids, position_ids=own_pos, use_cache=True, logits_to_keep=1,
-                       **{cache_kwarg_name(model): cache}).logits[:, -1, :]
+        logits = prefill_logits(model, name, cache, own_ids, own_pos)
     return logits, ids_b[:, -1:], pos[:, -1:] + 1
 
 

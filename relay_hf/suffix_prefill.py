@@ -7,11 +7,10 @@ ttft``, docs/performance.md). Replayed, the same forward costs its GPU time.
 
 How: ``policy`` lays such a call out at a suffix length of ``DecodeConfig.prefill_lengths`` (``recorded_length``; the
 extra columns are left padding, masked like any pad, so the result is exact), so a few graphs per slot serve every
-turn. A length's
-first prefill runs eagerly on a side stream (its plans made, its kernels built, the allocator's blocks in place:
-torch's capture recipe) and gives the call its logits; the graph is recorded after it (recording runs nothing) and
-replayed from the next call on. The graphs of one slot share one memory pool: each replay's logits are read before
-anything else replays.
+turn. A length's first prefill runs eagerly on a side stream (its plans made, its kernels built, the allocator's
+blocks in place: torch's capture recipe) and gives the call its logits; the graph is recorded after it (recording
+runs nothing) and replayed from the next call on. The graphs of one slot share one memory pool: each replay's logits
+are read before anything else replays.
 """
 
 from __future__ import annotations
@@ -38,8 +37,9 @@ def recorded_length(model, rows: int, suffix: int, decode: DecodeConfig = DEFAUL
     return decode.prefill_length(rows, suffix)
 
 
-def _forward(model, name: str, cache, ids: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
-    """The model on ``ids`` / ``pos`` ``[Rb, L]`` int64 after the cache's prefix; the last logits ``[Rb, V]``."""
+def prefill_logits(model, name: str, cache, ids: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+    """The model on ``ids`` / ``pos`` ``[Rb, L]`` int64 after the cache's prefix (``name``: the forward's cache
+    argument); the last logits ``[Rb, V]``. As eager ops, or what a ``SuffixPrefill`` records."""
     return model(input_ids=ids, position_ids=pos, use_cache=True, logits_to_keep=1, **{name: cache}).logits[:, -1, :]
 
 
@@ -78,7 +78,7 @@ class SuffixPrefill:
         if entry is None:
             return self._first(model, cache, ids, pos, key)
         if entry.__class__ is Eager:
-            return _forward(model, self.name, cache, ids, pos)
+            return prefill_logits(model, self.name, cache, ids, pos)
         entry.ids.copy_(ids)
         entry.pos.copy_(pos)
         entry.graph.replay()
@@ -88,7 +88,7 @@ class SuffixPrefill:
         ids_in, pos_in = ids.clone(), pos.clone()  # the graph's inputs
 
         def run():
-            return _forward(model, self.name, cache, ids_in, pos_in)
+            return prefill_logits(model, self.name, cache, ids_in, pos_in)
 
         logits = on_side_stream(run, model.device)  # this call's result, and the capture recipe's warm-up
         try:

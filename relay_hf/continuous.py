@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import copy
 import threading
+import weakref
 
 import torch
 from transformers import AttentionInterface
@@ -273,17 +274,24 @@ def _select_kernel(model) -> str | None:
 
 def _after_stop(manager, after) -> None:
     """Run ``after`` once when ``manager`` stops (its ``stop`` wrapped on the instance, once; a persistent manager
-    reused by a later ``init_continuous_batching`` is counted again)."""
+    reused by a later ``init_continuous_batching`` is counted again).
+
+    The wrapper holds the manager weakly: a strong reference from its own attribute would be a cycle, and a manager
+    only the cyclic collector frees keeps its paged cache (most of the GPU's free memory) after
+    ``destroy_cached_continuous_batching_manager``, so the next manager could not allocate its own."""
     manager._relay_after_stop = after
     if getattr(manager, "_relay_stop_wrapped", False):
         return
-    stop = manager.stop
+    own = vars(manager).get("stop")  # another wrapper set on the instance, else the class's method
+    stop = own if own is not None else type(manager).stop
+    ref = weakref.ref(manager)
 
     def stop_then_restore(*args, **kwargs):
+        this = ref()
         try:
-            return stop(*args, **kwargs)
+            return stop(*args, **kwargs) if own is not None else stop(this, *args, **kwargs)
         finally:
-            pending, manager._relay_after_stop = manager._relay_after_stop, None
+            pending, this._relay_after_stop = this._relay_after_stop, None
             if pending is not None:
                 pending()
 

@@ -2,7 +2,9 @@
 reads shared blocks once per step where requests share them (``relay_hf.stats``), and runs stock where relay cannot
 serve."""
 
+import gc
 import time
+import weakref
 
 import pytest
 import torch
@@ -239,6 +241,42 @@ def test_unpatch_drops_a_persistent_manager_built_for_relay(llama):
                                         persistent_manager=True), 3)
     llama.destroy_cached_continuous_batching_manager()
     assert relay == stock and again == stock and llama.config._attn_implementation == "sdpa"
+
+
+def freed_without_the_cycle_collector(model, make) -> bool:
+    """Whether the manager ``make(model)`` returns (stopped) is gone as soon as the model lets go of it, with the
+    cyclic collector off: a manager kept alive by a reference cycle keeps its paged cache, most of a GPU's memory."""
+    gc.collect()
+    gc.disable()
+    try:
+        ref = weakref.ref(make(model))
+        model.destroy_cached_continuous_batching_manager()
+        return ref() is None
+    finally:
+        gc.enable()
+
+
+def persistent_generate_batch(model):
+    inputs = requests_under([(48, 3)], seed=12)
+    model.generate_batch(inputs, generation_config=greedy(), continuous_batching_config=cb_config(),
+                         persistent_manager=True)
+    return model._cached_continuous_batching_manager
+
+
+def started_and_stopped(model):
+    manager = model.init_continuous_batching(generation_config=greedy(), continuous_batching_config=cb_config())
+    manager.start()
+    assert None not in _serve(manager, requests_under([(48, 2)], seed=13))
+    manager.stop(block=True, timeout=60)
+    return manager
+
+
+@pytest.mark.parametrize("make", [persistent_generate_batch, started_and_stopped])
+def test_a_manager_let_go_of_is_freed_at_once_as_stock(llama, make):
+    assert freed_without_the_cycle_collector(llama, make)  # stock's
+    relay_hf.patch(llama, min_prefix_length=8)
+    assert freed_without_the_cycle_collector(llama, make)
+    assert relay_hf.stats(llama).relay_steps > 0 and is_relay_name(attn_implementation(llama.config))
 
 
 # -- unpatch and managers, in every order of events ------------------------------------------------------------------

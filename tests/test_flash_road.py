@@ -19,7 +19,16 @@ from relay_hf import _compat, policy
 from relay_hf.flash import KERNEL_ID, check_reason, load_kernel
 from relay_hf.stats import full_layer_kv_bytes
 from tests.helpers import tiny_model
-from tests.test_continuous import cb_config, finished, greedy, requests_under, tokens
+from tests.test_continuous import (
+    cb_config,
+    finished,
+    freed_without_the_cycle_collector,
+    greedy,
+    persistent_generate_batch,
+    requests_under,
+    started_and_stopped,
+    tokens,
+)
 
 pytestmark = pytest.mark.skipif(not (_compat.decode_fast_path_available() and _compat.kernels_available()),
                                 reason="this transformers has no decode fast path, or no kernels package it accepts")
@@ -247,3 +256,11 @@ def test_a_kernel_transformers_does_not_take_leaves_stock_continuous_batching(ll
                    3)
     assert relay == stock and "did not take relay's flash kernel" in llama.relay_continuous_reason
     assert llama.config._attn_implementation == "relay" and relay_hf.stats(llama).stock_calls == 1
+
+
+@pytest.mark.parametrize("make", [persistent_generate_batch, started_and_stopped])
+def test_a_manager_let_go_of_is_freed_at_once_as_stock(llama, kernel, make, monkeypatch):
+    decodes = _calls(kernel.paged, "paged_attention_torch", monkeypatch)
+    relay_hf.patch(llama, min_prefix_length=8)
+    assert freed_without_the_cycle_collector(llama, make)
+    assert llama.relay_continuous_road == "flash" and decodes

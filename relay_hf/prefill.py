@@ -172,10 +172,11 @@ def layer_windows(model) -> list[int | None]:
     time keeps every layer whole (exact either way: the kernels apply the window; trimming only saves memory)."""
     n_layers = model.config.get_text_config(decoder=True).num_hidden_layers
     found: dict[int, set] = {}
-    for module in model.modules():
-        index = getattr(module, "layer_idx", None)
-        if isinstance(index, int) and "sliding_window" in vars(module):
-            found.setdefault(index, set()).add(vars(module)["sliding_window"])
+    for module in model.modules():  # the instance's own attributes: a miss through nn.Module's getattr raises inside
+        own = vars(module)
+        index = own.get("layer_idx")
+        if isinstance(index, int) and "sliding_window" in own:
+            found.setdefault(index, set()).add(own["sliding_window"])
     out = []
     for i in range(n_layers):
         values = found.get(i, set())

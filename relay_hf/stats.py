@@ -39,8 +39,8 @@ def layer_kv_bytes(model) -> list[int]:
     layers = getattr(text, "num_hidden_layers", 1)
     itemsize = model.dtype.itemsize
     found: dict[int, list[int]] = {}
-    for m in model.modules():
-        index, k, v = getattr(m, "layer_idx", None), getattr(m, "k_proj", None), getattr(m, "v_proj", None)
+    for m in model.modules():  # own attributes and submodules: a miss through nn.Module's getattr raises inside
+        index, k, v = vars(m).get("layer_idx"), m._modules.get("k_proj"), m._modules.get("v_proj")
         if (isinstance(index, int) and 0 <= index < layers and isinstance(k, torch.nn.Linear)
                 and isinstance(v, torch.nn.Linear)):
             found.setdefault(index, []).append((k.out_features + v.out_features) * itemsize)

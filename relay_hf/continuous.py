@@ -19,6 +19,7 @@ switches the model back to relay, unless ``unpatch`` let go of the model meanwhi
 from __future__ import annotations
 
 import copy
+import inspect
 import threading
 import weakref
 
@@ -274,29 +275,47 @@ def _select_kernel(model) -> str | None:
 
 def _after_stop(manager, after) -> None:
     """Run ``after`` once when ``manager`` stops (its ``stop`` wrapped on the instance, once; a persistent manager
-    reused by a later ``init_continuous_batching`` is counted again).
+    reused by a later ``init_continuous_batching`` is counted again, ``after`` replaced).
 
-    The wrapper holds the manager weakly: a strong reference from its own attribute would be a cycle, and a manager
-    only the cyclic collector frees keeps its paged cache (most of the GPU's free memory) after
-    ``destroy_cached_continuous_batching_manager``, so the next manager could not allocate its own."""
-    manager._relay_after_stop = after
-    if getattr(manager, "_relay_stop_wrapped", False):
+    Nothing here holds the manager strongly: a reference from its own attribute would be a cycle, and a manager only
+    the cyclic collector frees keeps its paged cache (most of the GPU's free memory) after
+    ``destroy_cached_continuous_batching_manager``, so the next manager could not allocate its own. The pending call
+    lives in a one-item list the wrapper holds (it points to the model, never to the manager), so a ``stop`` called
+    after its manager is gone (a bound ``stop`` kept, the manager dropped) still counts it out."""
+    pending = vars(manager).get("_relay_after_stop")
+    if pending is not None:  # wrapped already: this start's call replaces the last one's
+        pending[0] = after
         return
-    own = vars(manager).get("stop")  # another wrapper set on the instance, else the class's method
-    stop = own if own is not None else type(manager).stop
+    pending = [after]
+    manager._relay_after_stop = pending
+    own = vars(manager).get("stop")  # another wrapper set on the instance, else the class's, bound at the call
     ref = weakref.ref(manager)
 
     def stop_then_restore(*args, **kwargs):
         this = ref()
         try:
-            return stop(*args, **kwargs) if own is not None else stop(this, *args, **kwargs)
+            if own is not None:
+                return own(*args, **kwargs)
+            if this is not None:  # gone: its thread (which holds it) ended, nothing is left to stop
+                return _class_attribute(this, "stop")(*args, **kwargs)
         finally:
-            pending, this._relay_after_stop = this._relay_after_stop, None
-            if pending is not None:
-                pending()
+            _run_pending(pending)
 
     manager.stop = stop_then_restore
-    manager._relay_stop_wrapped = True
+
+
+def _run_pending(pending: list) -> None:
+    call, pending[0] = pending[0], None
+    if call is not None:
+        call()
+
+
+def _class_attribute(instance, name: str):
+    """``instance.name`` as attribute lookup finds it on the class (the instance's own attribute aside): a function
+    bound to ``instance``, a static or class method as such, any other object (a mock) as it is."""
+    raw = inspect.getattr_static(type(instance), name)
+    get = getattr(type(raw), "__get__", None)
+    return raw if get is None else get(raw, instance, type(instance))
 
 
 def register() -> None:

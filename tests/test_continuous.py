@@ -5,6 +5,7 @@ serve."""
 import gc
 import time
 import weakref
+from unittest import mock
 
 import pytest
 import torch
@@ -277,6 +278,27 @@ def test_a_manager_let_go_of_is_freed_at_once_as_stock(llama, make):
     relay_hf.patch(llama, min_prefix_length=8)
     assert freed_without_the_cycle_collector(llama, make)
     assert relay_hf.stats(llama).relay_steps > 0 and is_relay_name(attn_implementation(llama.config))
+
+
+def test_a_stop_that_outlives_its_manager_still_counts_it_out(llama):
+    relay_hf.patch(llama, min_prefix_length=8)
+    llama.init_continuous_batching(generation_config=greedy(), continuous_batching_config=cb_config()).stop()
+    manager = llama.init_continuous_batching(generation_config=greedy(), continuous_batching_config=cb_config())
+    stop = manager.stop
+    del manager  # nothing holds it now: the kept stop finds it gone
+    stop(block=True)
+    assert is_relay_name(attn_implementation(llama.config))
+    relay_hf.unpatch(llama)  # refused while a manager counts as running
+    assert llama.config._attn_implementation == "sdpa"
+
+
+def test_the_wrapped_stop_finds_the_classes_stop_as_attribute_lookup_does(llama):
+    relay_hf.patch(llama, min_prefix_length=8)
+    manager = llama.init_continuous_batching(generation_config=greedy(), continuous_batching_config=cb_config())
+    with mock.patch.object(type(manager), "stop") as stock_stop:  # a mock on the class: not bound to the manager
+        manager.stop(block=True, timeout=1)
+    stock_stop.assert_called_once_with(block=True, timeout=1)
+    assert is_relay_name(attn_implementation(llama.config))
 
 
 # -- unpatch and managers, in every order of events ------------------------------------------------------------------

@@ -42,19 +42,19 @@ from .kernel import copy_bandwidth
 # geometric mean over TUNE_CASES (requests, prefix tokens, prompts) is used
 VARIANTS = {
     "default": {},
-    "keys64": dict(prefix_keys=64, suffix_keys=64),
-    "prefix_keys64": dict(prefix_keys=64),
-    "suffix_keys64": dict(suffix_keys=64),
-    "splits4": dict(max_splits=4),
+    "keys32": dict(prefix_keys=32, suffix_keys=32),
+    "prefix_keys128": dict(prefix_keys=128),
+    "suffix_keys32": dict(suffix_keys=32),
+    "splits8": dict(max_splits=8),
     "splits2": dict(max_splits=2),
-    "warps4": dict(prefix_warps=4, suffix_warps=4),
-    "suffix_warps4": dict(suffix_warps=4),
+    "prefix_warps4": dict(prefix_warps=4),
+    "suffix_warps8": dict(suffix_warps=8),
     "rows32": dict(prefix_rows=32),
     "rows128": dict(prefix_rows=128),
     "programs32": dict(prefix_programs=32),
     "stages2": dict(stages=2),
     "stages4": dict(stages=4),
-    "k64_s4_sw4": dict(prefix_keys=64, suffix_keys=64, max_splits=4, suffix_warps=4),
+    "s2_pk128": dict(max_splits=2, prefix_keys=128),
     "merge_launch": dict(suffix_merges=False),
 }
 TUNE_CASES = [(128, 2048, 1), (32, 2048, 1), (128, 2048, 4)]

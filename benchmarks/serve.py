@@ -25,7 +25,8 @@ tokens each (no EOS). Modes:
 The continuous-batching modes get one ``ContinuousBatchingConfig``: ``--max-batch-tokens``, ``--num-blocks`` and
 ``--page-size`` when given (on a CPU they must be: transformers otherwise sizes the cache from the machine's RAM).
 ``--persistent``: every ``generate_batch`` call keeps its manager (``persistent_manager=True``: its CUDA graphs and
-warm-up are kept for the next call); the rows' ``arrival`` says ``offline persistent``. ``first_call``: the warm-up
+warm-up are kept for the next call; transformers sizes a kept manager by its first call's requests, so the warm-up
+is the whole workload); the rows' ``arrival`` says ``offline persistent``. ``first_call``: the warm-up
 call's wall seconds (with ``--full-warm-up``, the whole workload in a fresh manager).
 
 Offline (all requests at once): ``throughput`` (new tokens / wall s of the whole call, after one warm-up call of
@@ -180,7 +181,8 @@ def main(argv=None) -> None:
     p.add_argument("--user-len", type=int, nargs=2, default=(32, 128))
     p.add_argument("--new-tokens", type=int, default=64)
     p.add_argument("--modes", nargs="+", default=list(DEFAULT_MODES), choices=MODES)
-    p.add_argument("--persistent", action="store_true", help="keep each generate_batch call's manager for the next")
+    p.add_argument("--persistent", action="store_true",
+                   help="keep each generate_batch call's manager for the next (implies --full-warm-up)")
     p.add_argument("--fixed-batch", type=int, default=64)
     p.add_argument("--rates", type=float, nargs="*", default=[], help="online arrival rates (requests / s)")
     p.add_argument("--online-requests", type=int, default=None, help="online: the first this many requests")
@@ -206,8 +208,9 @@ def main(argv=None) -> None:
     for mode in progress(args.modes, "modes"):
         _set_up(model, mode, stock_attn)
         # warm-up: kernels, allocator; --full-warm-up: the whole workload once (every kernel variant it needs compiled)
-        first, _ = offline(model, mode, inputs if args.full_warm_up else inputs[:2], N if args.full_warm_up else 2,
-                           args)
+        # a kept manager is sized by the requests of its first call: --persistent warms up on the whole workload
+        full = args.full_warm_up or args.persistent
+        first, _ = offline(model, mode, inputs if full else inputs[:2], N if full else 2, args)
         wall, lat = offline(model, mode, inputs, N, args)
         used = _relay_used(model, mode)
         road = f", road {getattr(model, 'relay_continuous_road', None)}" if relay_hf.is_patched(model) else ""

@@ -47,15 +47,20 @@ class Tiles:
     * ``max_splits``: the most splits of one KV range (flash-decoding: splits fill the GPU when a step has few units;
       each costs an fp32 partial output per row, written and merged);
     * ``prefix_programs``: programs per KV head and split looping over a step's live prefix tiles;
-    * ``prefix_warps`` / ``suffix_warps``: warps per program (``None``: 8 from head size 128 up, else 4; head size
-      256 spills at 4); ``stages``: software-pipelining depth of the key loops (``None``: Triton's default);
+    * ``prefix_warps`` / ``suffix_warps``: warps per program (``None``: prefix 8 from head size 128 up, else 4;
+      suffix, whose tile is one request's GQA group, 8 at head size 256 only, else 4; head size 256 spills at 4);
+      key tiles are sized for head size 128 and narrowed for wider heads (the same bytes per tile);
+    * ``stages``: software-pipelining depth of the key loops (``None``: Triton's default);
     * ``suffix_merges``: an unsplit suffix unit merges its row's prefix partials and writes the output (no merge
       launch, no suffix partial); ``False``: a merge launch always."""
 
+    # the fastest of ``--tune``'s variants on an H100 (128 / 32 requests x 2048 shared + 128 own tokens, 1 and 4
+    # prompts): 102 / 39 / 105 us against 177 / 41 / 181 us for 32-key tiles, 8 splits and 8 suffix warps
+    # (benchmarks/data/kernel.csv); fewer splits write fewer fp32 partials
     prefix_rows: int = 64
-    prefix_keys: int = 32
-    suffix_keys: int = 32
-    max_splits: int = 8
+    prefix_keys: int = 64
+    suffix_keys: int = 64
+    max_splits: int = 4
     prefix_programs: int = 16
     prefix_warps: int | None = None
     suffix_warps: int | None = None
@@ -210,15 +215,16 @@ def _paged_relay_triton(q, k_cache, v_cache, k, v, block_table, past, scale, sof
     scale_log2 = scale / math.log(2.0) / (softcap if softcap else 1.0)
     # fp32 products in fp32 (exact to the oracle); bf16 too on the CPU interpreter, whose bf16 products are wrong
     ieee = q.dtype == torch.float32 or (q.dtype == torch.bfloat16 and not q.is_cuda)
-    # wide heads: more warps share a tile's registers (head size 256 spills at 4)
+    # wide heads: more warps share a tile's registers (head size 256 spills at 4), and key tiles of the same bytes
     warps = 8 if block_d >= 128 else 4
+    keys = lambda n: max(16, n * 128 // block_d) if block_d > 128 else n  # noqa: E731
     common = dict(BLOCK_D=block_d, SOFTCAP=bool(softcap), IEEE=ieee,
                   **({} if tiles.stages is None else {"num_stages": tiles.stages}))
     paged_jit._prefix_kernel[(programs, kv_heads, s_prefix)](
         q, k_cache, v_cache, block_table, groups.tiles, groups.counts, groups.members, groups.bounds, po, plse,
         _st(q), k_cache.stride(), v_cache.stride(), po.stride(), plse.stride(), batch, block_table.stride(0),
         page_size, group, dim, scale_log2, float(softcap), PROGRAMS=programs, ROWS_PER_TILE=rows_per_tile,
-        BLOCK_M=max(16, _pow2(rows_per_tile * group)), SPLITS=s_prefix, BLOCK_N=tiles.prefix_keys,
+        BLOCK_M=max(16, _pow2(rows_per_tile * group)), SPLITS=s_prefix, BLOCK_N=keys(tiles.prefix_keys),
         num_warps=tiles.prefix_warps or warps, **common)
     new_k, new_v = (k, v) if k is not None else (q, q)  # without a new token the pointers are never read
     sinks = s_aux if s_aux is not None else plse
@@ -227,8 +233,8 @@ def _paged_relay_triton(q, k_cache, v_cache, k, v, block_table, past, scale, sof
         _st(new_k), _st(new_v), k_cache.stride(), v_cache.stride(), po.stride(), plse.stride(), _st(out),
         block_table.stride(0), block_table.shape[1] * page_size - (k is not None), page_size, group, dim, scale_log2,
         float(softcap), PREFIX_SPLITS=s_prefix, BLOCK_M=max(16, _pow2(group)), SPLITS=s_suffix,
-        BLOCK_N=tiles.suffix_keys, WRITE=k is not None, MERGE=merge, HAS_SINKS=s_aux is not None,
-        num_warps=tiles.suffix_warps or warps, **common)
+        BLOCK_N=keys(tiles.suffix_keys), WRITE=k is not None, MERGE=merge, HAS_SINKS=s_aux is not None,
+        num_warps=tiles.suffix_warps or (8 if block_d >= 256 else 4), **common)
     if not merge:
         paged_jit._merge_kernel[(batch, heads)](po, plse, out, sinks, groups.bounds, po.stride(), plse.stride(),
                                                 _st(out), dim, slots, PREFIX_SPLITS=s_prefix, BLOCK_S=_pow2(slots),

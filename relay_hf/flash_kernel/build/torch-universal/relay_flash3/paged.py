@@ -49,7 +49,7 @@ class Tiles:
     * ``prefix_programs``: programs per KV head and split looping over a step's live prefix tiles;
     * ``prefix_warps`` / ``suffix_warps``: warps per program (``None``: prefix 8 from head size 128 up, else 4;
       suffix, whose tile is one request's GQA group, 8 at head size 256 only, else 4; head size 256 spills at 4);
-      key tiles are sized for head size 128 and narrowed for wider heads (the same bytes per tile);
+      key tiles are sized for 16-bit heads of size 128 and narrowed for wider heads and fp32 (the same bytes);
     * ``stages``: software-pipelining depth of the key loops (``None``: Triton's default);
     * ``suffix_merges``: an unsplit suffix unit merges its row's prefix partials and writes the output (no merge
       launch, no suffix partial); ``False``: a merge launch always."""
@@ -215,9 +215,10 @@ def _paged_relay_triton(q, k_cache, v_cache, k, v, block_table, past, scale, sof
     scale_log2 = scale / math.log(2.0) / (softcap if softcap else 1.0)
     # fp32 products in fp32 (exact to the oracle); bf16 too on the CPU interpreter, whose bf16 products are wrong
     ieee = q.dtype == torch.float32 or (q.dtype == torch.bfloat16 and not q.is_cuda)
-    # wide heads: more warps share a tile's registers (head size 256 spills at 4), and key tiles of the same bytes
+    # wide heads: more warps share a tile's registers (head size 256 spills at 4); key tiles hold at most the bytes of
+    # a 16-bit head-size-128 tile (64 fp32 keys at head size 128 would not fit three pipeline stages' shared memory)
     warps = 8 if block_d >= 128 else 4
-    keys = lambda n: max(16, n * 128 // block_d) if block_d > 128 else n  # noqa: E731
+    keys = lambda n: max(16, min(n, n * 256 // (block_d * q.element_size())))  # noqa: E731
     common = dict(BLOCK_D=block_d, SOFTCAP=bool(softcap), IEEE=ieee,
                   **({} if tiles.stages is None else {"num_stages": tiles.stages}))
     paged_jit._prefix_kernel[(programs, kv_heads, s_prefix)](

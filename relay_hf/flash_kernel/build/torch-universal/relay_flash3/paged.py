@@ -216,7 +216,8 @@ def _paged_relay_triton(q, k_cache, v_cache, k, v, block_table, past, scale, sof
     # fp32 products in fp32 (exact to the oracle); bf16 too on the CPU interpreter, whose bf16 products are wrong
     ieee = q.dtype == torch.float32 or (q.dtype == torch.bfloat16 and not q.is_cuda)
     # wide heads: more warps share a tile's registers (head size 256 spills at 4); key tiles hold at most the bytes of
-    # a 16-bit head-size-128 tile (64 fp32 keys at head size 128 would not fit three pipeline stages' shared memory)
+    # a 16-bit head-size-128 tile (64 fp32 keys at head size 128: ~224 KB of shared memory over three pipeline stages,
+    # at an H100's limit; the tuned 16-bit tiles take half)
     warps = 8 if block_d >= 128 else 4
     keys = lambda n: max(16, min(n, n * 256 // (block_d * q.element_size())))  # noqa: E731
     common = dict(BLOCK_D=block_d, SOFTCAP=bool(softcap), IEEE=ieee,

@@ -206,3 +206,18 @@ def test_serve_cpu_smoke_run_measures_every_mode(tmp_path, one_thread):
             assert float(got[(mode, arrival, "throughput")]["median"]) > 0
         assert float(got[(mode, "offline persistent", "first_call")]["median"]) > 0
         assert got[(mode, "offline persistent", "throughput")]["relay_used"] == str(mode != "stock_cb")
+
+
+def test_profile_cpu_smoke_run_profiles_every_call_and_the_batching_thread(capsys, one_thread):
+    """The profile benchmark on a tiny random model: each call timed, its host profile printed, and for continuous
+    batching the profile reaches into the manager's thread (where the steps run), not only the caller's wait."""
+    from benchmarks import profile
+
+    walls = profile.main(["--model-shape", "tiny", "--device", "cpu", "--dtype", "float32", "--prefix-len", "32",
+                          "--batch", "2", "--user-len", "4", "--new-tokens", "3", "--requests", "3", "--num-blocks",
+                          "64", "--max-batch-tokens", "64", "--reps", "1", "--top", "400", "--calls", *profile.CALLS])
+    assert set(walls) == set(profile.CALLS) and all(w > 0 for w in walls.values())
+    out = capsys.readouterr().out
+    assert out.count("function calls") == len(profile.CALLS)  # one host profile per call
+    assert "relay_generate" in out  # the patched generate, inside the generate calls' profiles
+    assert "_generation_step" in out.split("generate_batch, 3 requests")[1]  # the manager thread's steps

@@ -33,15 +33,14 @@ import torch
 from .freshness import local_shard, reached_partly
 
 
-def _tensors_signature(path: str, m: torch.nn.Module, seen: set, partial: dict) -> list:
-    """Per parameter of ``m`` (not seen before): its name, identity, address, dtype, device, shape and version
-    counter (a tensor's ``_version`` goes up at every in-place write made through it: optimizer steps,
-    ``load_state_dict``, ``torch.no_grad()`` edits); per buffer the same but its version (a rotary table the model
-    rewrites at each forward, as dynamic and longrope embeddings do, would drop every kept prefix; a hit's check reads
-    what buffers hold). Host metadata only: no device read. Stacked parameters (3+ dims: experts) go into
-    ``partial``."""
-    out = []
-    for kind, tensors in ((0, m._parameters), (1, m._buffers)):
+def _tensors_signature(path: str, own: dict, seen: set, partial: dict, out: list) -> None:
+    """Appends to ``out``, per parameter of the module whose ``__dict__`` is ``own`` (not seen before): its name,
+    identity, address, dtype, device, shape and version counter (a tensor's ``_version`` goes up at every in-place
+    write made through it: optimizer steps, ``load_state_dict``, ``torch.no_grad()`` edits); per buffer the same but
+    its version (a rotary table the model rewrites at each forward, as dynamic and longrope embeddings do, would drop
+    every kept prefix; a hit's check reads what buffers hold). Host metadata only: no device read. Stacked parameters
+    (3+ dims: experts) go into ``partial``."""
+    for kind, tensors in ((0, own["_parameters"]), (1, own["_buffers"])):
         for name, t in tensors.items():
             if t is None or id(t) in seen:
                 continue
@@ -51,7 +50,6 @@ def _tensors_signature(path: str, m: torch.nn.Module, seen: set, partial: dict) 
                         None if kind else local._version))
             if not kind and t.dim() >= 3:
                 partial[id(t)] = t
-    return out
 
 
 _SCALARS = frozenset((bool, int, float, str, type(None)))  # exact types: no ``__class__`` lookups on other values
@@ -59,7 +57,7 @@ _ADAPTER_SWITCHES = ("_disable_adapters", "_active_adapter", "merged_adapters")
 
 
 def _hooks(hooks: dict) -> tuple:
-    return tuple((key, id(hook)) for key, hook in hooks.items())
+    return tuple((key, id(hook)) for key, hook in hooks.items()) if hooks else ()
 
 
 def _plain(value) -> bool:
@@ -77,41 +75,38 @@ def _class_switches(cls: type) -> tuple[str, ...]:
     return tuple(a for a in _ADAPTER_SWITCHES if hasattr(cls, a))
 
 
-def _modules(model: torch.nn.Module):
-    """``(path, module)`` for every module once, parents first (``named_modules``' order without its nested
-    generators: the walk runs at every call)."""
-    seen, stack = set(), [("", model)]
+def _modules_signature(model: torch.nn.Module, partial: dict) -> tuple:
+    """In one walk (every module once, parents first: ``named_modules``' order, without its nested generators, as
+    the walk runs at every call), the parameters and buffers (``_tensors_signature``) and per module: its type,
+    training flag, adapter switches (PEFT's ``disable_adapters`` / ``active_adapters`` / ``merged_adapters``, where a
+    module has them), the forward hooks on it (activation steering changes the KV), a ``forward`` replaced on the
+    instance, and the plain values its forward may read (``scaling``, a rotary ``attention_scaling``, a dict of
+    adapter scales...); and torch's global forward hooks. The parameters of modules only some tokens reach
+    (``freshness.reached_partly``) go into ``partial``."""
+    out, tensors, seen, walked = [], [], set(), set()
+    inputs = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    stack = [("", model)]
     while stack:
         path, m = stack.pop()
-        if id(m) in seen:
+        if id(m) in walked:
             continue
-        seen.add(id(m))
-        yield path, m
-        stack.extend((f"{path}.{k}" if path else k, c) for k, c in reversed(m._modules.items()) if c is not None)
-
-
-def _modules_signature(model: torch.nn.Module, partial: dict) -> tuple:
-    """In one walk, the parameters and buffers (``_tensors_signature``) and per module: its type, training flag,
-    adapter switches (PEFT's ``disable_adapters`` / ``active_adapters`` / ``merged_adapters``, where a module has
-    them), the forward hooks on it (activation steering changes the KV), a ``forward`` replaced on the instance, and
-    the plain values its forward may read (``scaling``, a rotary ``attention_scaling``, a dict of adapter scales...);
-    and torch's global forward hooks. The parameters of modules only some tokens reach (``freshness.reached_partly``)
-    go into ``partial``."""
-    out, tensors, seen = [], [], set()
-    inputs = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
-    for name, m in _modules(model):
-        tensors += _tensors_signature(name, m, seen, partial)
+        walked.add(id(m))
+        own = m.__dict__
+        children = own["_modules"]
+        if children:
+            prefix = path + "." if path else ""
+            stack.extend((prefix + k, c) for k, c in reversed(children.items()) if c is not None)
+        _tensors_signature(path, own, seen, partial, tensors)
         if reached_partly(m, inputs):
             partial.update((id(p), p) for p in m.parameters())
-        own = m.__dict__
         switches = [a for a in _class_switches(type(m)) if a not in own] + [a for a in _ADAPTER_SWITCHES if a in own]
-        adapters = tuple(str(getattr(m, a, None)) for a in switches)
+        adapters = tuple(str(getattr(m, a, None)) for a in switches) if switches else ()
         plain = tuple((k, tuple(sorted(v.items(), key=repr)) if type(v) is dict else v)
                       for k, v in own.items()
                       if k[0] != "_" and not k.startswith("relay_") and _plain(v))  # relay_hf's own: not read
         forward = own.get("forward")
-        out.append((name, type(m), m.training, adapters, _hooks(m._forward_hooks), _hooks(m._forward_pre_hooks),
-                    plain, None if forward is None else id(forward)))
+        out.append((path, type(m), m.training, adapters, _hooks(own["_forward_hooks"]),
+                    _hooks(own["_forward_pre_hooks"]), plain, None if forward is None else id(forward)))
     from torch.nn.modules import module as torch_module
 
     out.append((_hooks(torch_module._global_forward_hooks), _hooks(torch_module._global_forward_pre_hooks)))

@@ -15,10 +15,11 @@ The workload is ``benchmarks.generate``'s (a system prompt of ``--prefix-len`` t
 * ``continuous``: ``generate_batch`` of the serving workload (``--requests``, ``--new-tokens``) on a manager kept
   from a first call of the same requests (``persistent_manager=True``).
 
-Per call it prints the wall time (the median of ``--reps`` warm calls; ``first`` runs once), then profiles one more
-call: on CUDA the device kernels' total time and count and the kernels that took longest (``torch.profiler``), and
-the host functions by cumulative time (``cProfile``, ``--top`` lines). A profile is a reading, not a figure: nothing
-is appended to the CSVs (the timed figures come from ``benchmarks.generate`` and ``benchmarks.serve``).
+Per call it prints the wall time (the median of ``--reps`` warm calls; ``first`` runs once, under ``cProfile``),
+then profiles further calls: on CUDA one for the device kernels' total time and count and the kernels that took
+longest (``torch.profiler``), and one for the host functions by cumulative time (``cProfile``, ``--top`` lines). A
+profile is a reading, not a figure: nothing is appended to the CSVs (the timed figures come from
+``benchmarks.generate`` and ``benchmarks.serve``).
 """
 
 from __future__ import annotations
@@ -77,6 +78,7 @@ def device_profile(fn, device: torch.device, top: int) -> str:
     their own device time; an empty string off CUDA."""
     if device.type != "cuda":
         return ""
+    from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
     torch.cuda.synchronize(device)
@@ -84,7 +86,8 @@ def device_profile(fn, device: torch.device, top: int) -> str:
         fn()
         torch.cuda.synchronize(device)
     events = prof.key_averages()
-    kernels = [e for e in events if e.self_device_time_total > 0]
+    # the kernels themselves: the CPU ops that launched them carry their time too (as torch's own table footer counts)
+    kernels = [e for e in events if e.device_type == DeviceType.CUDA and not e.is_user_annotation]
     total_ms = sum(e.self_device_time_total for e in kernels) / 1e3
     launches = sum(e.count for e in kernels)
     table = events.table(sort_by="self_device_time_total", row_limit=top, max_name_column_width=70)

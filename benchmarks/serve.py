@@ -26,13 +26,15 @@ The continuous-batching modes get one ``ContinuousBatchingConfig``: ``--max-batc
 ``--page-size`` when given (on a CPU they must be: transformers otherwise sizes the cache from the machine's RAM).
 ``--persistent``: every ``generate_batch`` call keeps its manager (``persistent_manager=True``: its CUDA graphs and
 warm-up are kept for the next call; transformers sizes a kept manager by its first call's requests, so the warm-up
-is the whole workload); the rows' ``arrival`` says ``offline persistent``. ``first_call``: the warm-up
+is the whole workload, and the prompt pages it cached stay shared for the timed call, as for a user who sends the same
+requests again); the rows' ``arrival`` says ``offline persistent``. ``first_call``: the warm-up
 call's wall seconds (with ``--full-warm-up``, the whole workload in a fresh manager).
 
 Offline (all requests at once): ``throughput`` (new tokens / wall s of the whole call, after one warm-up call of
-the same mode on 2 requests, or on the whole workload with ``--full-warm-up``: Triton compiles a kernel variant the
-first time a step's shapes need it), and for the continuous-batching modes ``ttft`` / ``tpot`` p50 and p99 from each
-request's token timestamps (time to its first token since it was added; time per output token after it).
+the same mode on 2 requests, or on the whole workload with ``--full-warm-up`` or ``--persistent``: Triton compiles a
+kernel variant the first time a step's shapes need it), and for the continuous-batching modes ``ttft`` / ``tpot`` p50
+and p99 from each request's token timestamps (time to its first token since it was added; time per output token
+after it).
 Online (``--rates``, requests per second; continuous-batching modes): the first ``--online-requests`` requests arrive
 as a Poisson process through ``init_continuous_batching().add_request`` to a manager warmed up first (as
 ``transformers serve`` warms its manager before it takes requests); ``throughput`` (new tokens / s from the first

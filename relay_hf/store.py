@@ -94,8 +94,7 @@ def _modules_signature(model: torch.nn.Module, partial: dict) -> tuple:
         own = m.__dict__
         children = own["_modules"]
         if children:
-            prefix = path + "." if path else ""
-            stack.extend((prefix + k, c) for k, c in reversed(children.items()) if c is not None)
+            stack.extend((f"{path}.{k}" if path else f"{k}", c) for k, c in reversed(children.items()) if c is not None)
         _tensors_signature(path, own, seen, partial, tensors)
         if reached_partly(m, inputs):
             partial.update((id(p), p) for p in m.parameters())

@@ -132,6 +132,17 @@ def test_reading_the_model_changes_nothing():
     assert kv_dependencies(model) == before
 
 
+def test_a_child_registered_under_a_non_string_key_is_walked_and_its_change_seen():
+    """``_modules`` keys are strings by convention only: a child put there under an int is still a module the
+    forward may run, so the walk names it by its key and sees a change to it."""
+    model = torch.nn.Sequential()
+    model._modules[0] = torch.nn.Linear(2, 2)
+    before = kv_dependencies(model)
+    assert [entry[0] for entry in before.signature[1][0][:-1]] == ["", "0"]
+    model._modules[0].train(False)
+    assert kv_dependencies(model) != before
+
+
 def test_a_packing_is_kept_while_its_entries_are():
     store, packs = _store(100), []
     pack = lambda values: packs.append(values) or b"".join(values)  # noqa: E731

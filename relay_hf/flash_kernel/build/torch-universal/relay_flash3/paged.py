@@ -48,7 +48,7 @@ class Tiles:
       each costs an fp32 partial output per row, written and merged);
     * ``prefix_programs``: programs per KV head and split looping over a step's live prefix tiles;
     * ``prefix_warps`` / ``suffix_warps``: warps per program (``None``: prefix 8 from head size 128 up, else 4;
-      suffix, whose tile is one request's GQA group, 8 at head size 256 only, else 4; head size 256 spills at 4);
+      suffix, whose tile is one request's GQA group, 8 above head size 128, else 4; head size 256 spills at 4);
       key tiles are sized for 16-bit heads of size 128 and narrowed for wider heads and fp32 (the same bytes);
     * ``stages``: software-pipelining depth of the key loops (``None``: Triton's default);
     * ``suffix_merges``: an unsplit suffix unit merges its row's prefix partials and writes the output (no merge

@@ -45,6 +45,7 @@ VARIANTS = {
     "keys32": dict(prefix_keys=32, suffix_keys=32),
     "prefix_keys128": dict(prefix_keys=128),
     "suffix_keys32": dict(suffix_keys=32),
+    "suffix_keys128": dict(suffix_keys=128),
     "splits8": dict(max_splits=8),
     "splits2": dict(max_splits=2),
     "prefix_warps4": dict(prefix_warps=4),
@@ -56,6 +57,7 @@ VARIANTS = {
     "stages4": dict(stages=4),
     "s2_pk128": dict(max_splits=2, prefix_keys=128),
     "merge_launch": dict(suffix_merges=False),
+    "no_overlap": dict(overlap=False),
 }
 TUNE_CASES = [(128, 2048, 1), (32, 2048, 1), (128, 2048, 4)]
 

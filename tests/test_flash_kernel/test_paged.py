@@ -88,12 +88,13 @@ CASES = {
 }
 
 
-@pytest.mark.parametrize("path", ["triton", "triton merged", "triton merged split prefix", "triton merge launch",
-                                  "torch"])
+@pytest.mark.parametrize("path", ["triton", "triton merged", "triton merged split prefix", "triton merged serial",
+                                  "triton merge launch", "torch"])
 @pytest.mark.parametrize("case", list(CASES))
 def test_matches_float64_oracle_and_writes_the_new_token(case, path):
     # "triton": split suffixes and a merge launch; "triton merged": the suffix units merge the prefix partials (one
-    # prefix split, or two); "triton merge launch": one suffix split, merged by a launch of its own (Tiles)
+    # prefix split, or two; on Hopper+ the suffix launch overlaps the prefix launch, "serial": it never does); "triton
+    # merge launch": one suffix split, merged by a launch of its own (Tiles)
     page_size, lens, shared = CASES[case]
     step = _step(zlib.crc32(case.encode()) % 1000, page_size, lens, shared, pad_rows=1)
     expected, kc, vc = _oracle(*step, scale=0.3)
@@ -101,11 +102,14 @@ def test_matches_float64_oracle_and_writes_the_new_token(case, path):
     q, k_cache, v_cache, k, v, table, past = _on(DEVICE if triton else "cpu", step)
     run = paged.paged_relay_triton if triton else paged.paged_attention_torch
     groups = grouping.share_groups(table, past, page_size, rows_per_tile=2) if triton else None
-    splits = {"triton merged": (1, 1), "triton merged split prefix": (2, 1), "triton merge launch": (2, 1)}
+    splits = {"triton merged": (1, 1), "triton merged split prefix": (2, 1), "triton merged serial": (2, 1),
+              "triton merge launch": (2, 1)}
     prefix_splits, suffix_splits = splits.get(path, (2, 2))
     extra = dict(groups=groups, prefix_splits=prefix_splits, suffix_splits=suffix_splits) if triton else {}
     if path == "triton merge launch":
         extra["tiles"] = dataclasses.replace(paged.TILES, suffix_merges=False)
+    if path == "triton merged serial":
+        extra["tiles"] = dataclasses.replace(paged.TILES, overlap=False)
     out = run(q, k_cache, v_cache, k, v, table, past, 0.3, 0.0, None, **extra)
     torch.testing.assert_close(out.double().cpu(), expected, atol=2e-5, rtol=2e-5)
     torch.testing.assert_close(k_cache.double().cpu(), kc, atol=0, rtol=0)

@@ -12,7 +12,8 @@ Tensors (``B`` requests of the step, ``P`` pages of ``page_size`` tokens, ``M`` 
 
 On CUDA (or under ``TRITON_INTERPRET=1``) the step runs as ``grouping.share_groups`` (one program up to 256
 rows, by a step's first layer) plus two launches (prefix partials; suffix units that write the new token and merge),
-or three where the suffix is split (a merge launch), with static shapes: it can be captured in a CUDA graph. The
+or three where the suffix is split (a merge launch), with static shapes: it can be captured in a CUDA graph. On
+Hopper and newer an unsplit suffix launch starts while the prefix launch runs (``Tiles.overlap``). The
 groups are derived once per step: by the first layer, recognised by its ``k_cache`` pointer (``_StepGroups``); the
 other layers of the step read them. Elsewhere a PyTorch path computes the same attention row by row.
 """
@@ -52,7 +53,10 @@ class Tiles:
       key tiles are sized for 16-bit heads of size 128 and narrowed for wider heads and fp32 (the same bytes);
     * ``stages``: software-pipelining depth of the key loops (``None``: Triton's default);
     * ``suffix_merges``: an unsplit suffix unit merges its row's prefix partials and writes the output (no merge
-      launch, no suffix partial); ``False``: a merge launch always."""
+      launch, no suffix partial); ``False``: a merge launch always;
+    * ``overlap``: such a merging suffix launch starts while the prefix launch runs (programmatic dependent launch,
+      Hopper and newer): its units stream their own pages beside the prefix units and wait for them only before the
+      merge."""
 
     # the fastest of ``--tune``'s variants on an H100 (128 / 32 requests x 2048 shared + 128 own tokens, 1 and 4
     # prompts): 102 / 39 / 105 us against 177 / 41 / 181 us for 32-key tiles, 8 splits and 8 suffix warps
@@ -66,6 +70,7 @@ class Tiles:
     suffix_warps: int | None = None
     stages: int | None = None
     suffix_merges: bool = True
+    overlap: bool = True
 
     def rows_per_tile(self, group: int) -> int:
         """Members of one prefix tile for ``group`` query heads per KV head."""
@@ -169,6 +174,12 @@ def read_totals(device: torch.device) -> tuple[int, int, int]:
 
 
 @functools.cache
+def _hopper(device: torch.device) -> bool:
+    """A CUDA device of compute capability 9 or newer: programmatic dependent launch."""
+    return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
+
+
+@functools.cache
 def _sm_count(device: torch.device) -> int:
     if device.type != "cuda":
         return CPU_SM_COUNT
@@ -206,6 +217,8 @@ def _paged_relay_triton(q, k_cache, v_cache, k, v, block_table, past, scale, sof
                                         tiles.max_splits)
     s_suffix = suffix_splits or _splits(q.device, kv_heads, batch, tiles.max_splits)
     merge = tiles.suffix_merges and s_suffix == 1  # else a merge launch reads the suffix partials too
+    # the suffix units' own pages (most of a step's bytes) stream while the prefix units run; they wait before merging
+    overlap = merge and tiles.overlap and _hopper(q.device)
     slots = 2 * s_prefix + (0 if merge else s_suffix)
     # no -inf fill: which slots of a row hold a result follows from its groups (paged_jit's docstring)
     po = torch.empty(slots, batch, heads, dim, device=q.device, dtype=torch.float32)
@@ -225,7 +238,8 @@ def _paged_relay_triton(q, k_cache, v_cache, k, v, block_table, past, scale, sof
     paged_jit._prefix_kernel[(programs, kv_heads, s_prefix)](
         q, k_cache, v_cache, block_table, groups.tiles, groups.counts, groups.members, groups.bounds, po, plse,
         _st(q), k_cache.stride(), v_cache.stride(), po.stride(), plse.stride(), batch, block_table.stride(0),
-        page_size, group, dim, scale_log2, float(softcap), PROGRAMS=programs, ROWS_PER_TILE=rows_per_tile,
+        page_size, group, dim, scale_log2, float(softcap), OVERLAP=overlap, PROGRAMS=programs,
+        ROWS_PER_TILE=rows_per_tile,
         BLOCK_M=max(16, _pow2(rows_per_tile * group)), SPLITS=s_prefix, BLOCK_N=keys(tiles.prefix_keys),
         num_warps=tiles.prefix_warps or warps, **common)
     new_k, new_v = (k, v) if k is not None else (q, q)  # without a new token the pointers are never read
@@ -236,7 +250,7 @@ def _paged_relay_triton(q, k_cache, v_cache, k, v, block_table, past, scale, sof
         block_table.stride(0), block_table.shape[1] * page_size - (k is not None), page_size, group, dim, scale_log2,
         float(softcap), PREFIX_SPLITS=s_prefix, BLOCK_M=max(16, _pow2(group)), SPLITS=s_suffix,
         BLOCK_N=keys(tiles.suffix_keys), WRITE=k is not None, MERGE=merge, HAS_SINKS=s_aux is not None,
-        num_warps=tiles.suffix_warps or (8 if block_d >= 256 else 4), **common)
+        OVERLAP=overlap, launch_pdl=overlap, num_warps=tiles.suffix_warps or (8 if block_d >= 256 else 4), **common)
     if not merge:
         paged_jit._merge_kernel[(batch, heads)](po, plse, out, sinks, groups.bounds, po.stride(), plse.stride(),
                                                 _st(out), dim, slots, PREFIX_SPLITS=s_prefix, BLOCK_S=_pow2(slots),

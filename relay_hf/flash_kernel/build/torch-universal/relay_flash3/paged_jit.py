@@ -10,7 +10,9 @@
    suffix: its cached pages after the shared prefix, then (last split) the step's new token, read from the call's
    ``k``/``v`` while split 0 writes it into its page (no write launch; no unit reads that slot of the cache in this
    step). With one split (``MERGE``) the unit merges the row's prefix slots into its own result and writes the output:
-   no merge launch and no suffix partial. Otherwise split ``t`` writes slot ``2 * prefix splits + t``.
+   no merge launch and no suffix partial; with ``OVERLAP`` (Hopper+) this launch is a programmatic dependent launch
+   that starts while the prefix launch runs and waits for it (``gdc_wait``) only before that merge. Otherwise split
+   ``t`` writes slot ``2 * prefix splits + t``.
 3. ``_merge_kernel`` — grid ``(B, H_q)``, only for a split suffix: weights the slots of a row by their LSE (plus an
    attention sink) and writes the output in the query's dtype.
 
@@ -113,13 +115,15 @@ def _unit(Q, KC, VC, PO, PLSE, rows, row_ok, lo, hi, bt_row, slot, h, split, q_s
 
 @triton.jit
 def _prefix_kernel(Q, KC, VC, BT, TILES, COUNTS, MEMBERS, BOUNDS, PO, PLSE, q_st, kc_st, vc_st, po_st, plse_st,
-                   n_rows, bt_b, page_size, G, D, scale_log2, softcap, PROGRAMS: tl.constexpr,
+                   n_rows, bt_b, page_size, G, D, scale_log2, softcap, OVERLAP: tl.constexpr, PROGRAMS: tl.constexpr,
                    ROWS_PER_TILE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
                    SPLITS: tl.constexpr, SOFTCAP: tl.constexpr, IEEE: tl.constexpr):
     """Prefix units: program ``p`` takes tiles ``p, p + PROGRAMS, ...`` of the step's live tiles (``COUNTS``: how
     many of each level; level 1's sit at the front of ``TILES``, level 2's from row ``n_rows`` on). Looping over
     the live tiles keeps the grid small whatever the groups (their number is known on the device only)."""
     p, h, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    if OVERLAP:  # the suffix launch may start now; its units wait for this launch before they merge
+        tl.extra.cuda.gdc_launch_dependents()
     n1 = tl.load(COUNTS)
     live = n1 + tl.load(COUNTS + 1)
     member = tl.arange(0, BLOCK_M) // G
@@ -143,7 +147,7 @@ def _suffix_kernel(Q, K, V, KC, VC, BT, PAST, BOUNDS, PO, PLSE, OUT, SINKS, q_st
                    plse_st, o_st, bt_b, capacity, page_size, G, D, scale_log2, softcap, PREFIX_SPLITS: tl.constexpr,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, SPLITS: tl.constexpr,
                    SOFTCAP: tl.constexpr, IEEE: tl.constexpr, WRITE: tl.constexpr, MERGE: tl.constexpr,
-                   HAS_SINKS: tl.constexpr):
+                   HAS_SINKS: tl.constexpr, OVERLAP: tl.constexpr = False):
     """Suffix units: row ``b``'s cached tokens after its shared prefix (``BOUNDS[b, 2]`` pages) up to ``PAST[b]``,
     then, where this call writes it (``WRITE``), the new token from ``K``/``V [B, 1, H_kv, D]``; none for padding
     (``PAST[b] < 0``) or a row with more than ``capacity`` cached tokens (its table's pages, less the new token's
@@ -171,6 +175,8 @@ def _suffix_kernel(Q, K, V, KC, VC, BT, PAST, BOUNDS, PO, PLSE, OUT, SINKS, q_st
         out, lse = _new_token(out, lse, q, K, V, KC, VC, bt_row, b, h, past, split, k_st, v_st, kc_st, vc_st,
                               page_size, d, d_ok, scale_log2, softcap, SPLITS=SPLITS, SOFTCAP=SOFTCAP)
     if MERGE:
+        if OVERLAP:  # started beside the prefix launch: its slots are complete (and visible) after this wait, which
+            tl.extra.cuda.gdc_wait()  # also makes whatever follows this launch in the stream follow the prefix launch
         out = _merged(out, lse, PO, PLSE, SINKS, BOUNDS, b, heads, row_ok, d, d_ok, po_st, plse_st,
                       PREFIX_SPLITS=PREFIX_SPLITS, HAS_SINKS=HAS_SINKS)
         tl.store(OUT + b.to(tl.int64) * o_st[0] + heads[:, None] * o_st[1] + d[None, :] * o_st[2],

@@ -57,7 +57,7 @@ VARIANTS = {
     "stages4": dict(stages=4),
     "s2_pk128": dict(max_splits=2, prefix_keys=128),
     "merge_launch": dict(suffix_merges=False),
-    "no_overlap": dict(overlap=False),
+    "overlap": dict(overlap=True),
 }
 TUNE_CASES = [(128, 2048, 1), (32, 2048, 1), (128, 2048, 4)]
 

@@ -88,13 +88,13 @@ CASES = {
 }
 
 
-@pytest.mark.parametrize("path", ["triton", "triton merged", "triton merged split prefix", "triton merged serial",
+@pytest.mark.parametrize("path", ["triton", "triton merged", "triton merged split prefix", "triton merged overlap",
                                   "triton merge launch", "torch"])
 @pytest.mark.parametrize("case", list(CASES))
 def test_matches_float64_oracle_and_writes_the_new_token(case, path):
     # "triton": split suffixes and a merge launch; "triton merged": the suffix units merge the prefix partials (one
-    # prefix split, or two; on Hopper+ the suffix launch overlaps the prefix launch, "serial": it never does); "triton
-    # merge launch": one suffix split, merged by a launch of its own (Tiles)
+    # prefix split, or two; "overlap": on Hopper+ the suffix launch starts beside the prefix launch); "triton merge
+    # launch": one suffix split, merged by a launch of its own (Tiles)
     page_size, lens, shared = CASES[case]
     step = _step(zlib.crc32(case.encode()) % 1000, page_size, lens, shared, pad_rows=1)
     expected, kc, vc = _oracle(*step, scale=0.3)
@@ -102,14 +102,14 @@ def test_matches_float64_oracle_and_writes_the_new_token(case, path):
     q, k_cache, v_cache, k, v, table, past = _on(DEVICE if triton else "cpu", step)
     run = paged.paged_relay_triton if triton else paged.paged_attention_torch
     groups = grouping.share_groups(table, past, page_size, rows_per_tile=2) if triton else None
-    splits = {"triton merged": (1, 1), "triton merged split prefix": (2, 1), "triton merged serial": (2, 1),
+    splits = {"triton merged": (1, 1), "triton merged split prefix": (2, 1), "triton merged overlap": (2, 1),
               "triton merge launch": (2, 1)}
     prefix_splits, suffix_splits = splits.get(path, (2, 2))
     extra = dict(groups=groups, prefix_splits=prefix_splits, suffix_splits=suffix_splits) if triton else {}
     if path == "triton merge launch":
         extra["tiles"] = dataclasses.replace(paged.TILES, suffix_merges=False)
-    if path == "triton merged serial":
-        extra["tiles"] = dataclasses.replace(paged.TILES, overlap=False)
+    if path == "triton merged overlap":
+        extra["tiles"] = dataclasses.replace(paged.TILES, overlap=True)
     out = run(q, k_cache, v_cache, k, v, table, past, 0.3, 0.0, None, **extra)
     torch.testing.assert_close(out.double().cpu(), expected, atol=2e-5, rtol=2e-5)
     torch.testing.assert_close(k_cache.double().cpu(), kc, atol=0, rtol=0)
@@ -249,14 +249,23 @@ def test_many_requests_under_two_prompts():
 
 
 @pytest.mark.gpu
-def test_a_captured_step_replays_other_tables_and_groupings():
+@pytest.mark.parametrize("overlap", [False, True], ids=["serial", "overlap"])
+def test_a_captured_step_replays_other_tables_and_groupings(overlap):
     page_size = 16
     first = _step(21, page_size, [40, 50, 45, 60], [("a", 2)] * 4, kv_heads=2, group=4, dim=64, spare=16)
     q, kc, vc, k, v, table, past = _on("cuda", first)
-    out = paged.flash_attn_with_kvcache(q, kc, vc, k, v, cache_seqlens=past, block_table=table)  # warm, eager
+    tiles = dataclasses.replace(paged.TILES, overlap=overlap)
+
+    def step():  # the step's first layer, which derives its groups from the table
+        if not overlap:  # the interface, as transformers calls it
+            return paged.flash_attn_with_kvcache(q, kc, vc, k, v, cache_seqlens=past, block_table=table)
+        paged.begin_step()
+        return paged.paged_relay_triton(q, kc, vc, k, v, table, past, 64 ** -0.5, 0.0, None, tiles=tiles)
+
+    out = step()  # warm, eager
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        out = paged.flash_attn_with_kvcache(q, kc, vc, k, v, cache_seqlens=past, block_table=table)
+        out = step()
     for seed, shared in ((22, [("a", 1), ("b", 2), ("b", 2), ("c", 0)]), (23, [("a", 2)] * 3 + [("a", 1)])):
         nxt = _step(seed, page_size, [40, 47, 35, 49], shared, kv_heads=2, group=4, dim=64, spare=16)
         for dst, src in zip((q, kc, vc, k, v, table, past), nxt):

@@ -13,7 +13,7 @@ Tensors (``B`` requests of the step, ``P`` pages of ``page_size`` tokens, ``M`` 
 On CUDA (or under ``TRITON_INTERPRET=1``) the step runs as ``grouping.share_groups`` (one program up to 256
 rows, by a step's first layer) plus two launches (prefix partials; suffix units that write the new token and merge),
 or three where the suffix is split (a merge launch), with static shapes: it can be captured in a CUDA graph. On
-Hopper and newer an unsplit suffix launch starts while the prefix launch runs (``Tiles.overlap``). The
+Hopper and newer an unsplit suffix launch can start while the prefix launch runs (``Tiles.overlap``). The
 groups are derived once per step: by the first layer, recognised by its ``k_cache`` pointer (``_StepGroups``); the
 other layers of the step read them. Elsewhere a PyTorch path computes the same attention row by row.
 """
@@ -56,7 +56,7 @@ class Tiles:
       launch, no suffix partial); ``False``: a merge launch always;
     * ``overlap``: such a merging suffix launch starts while the prefix launch runs (programmatic dependent launch,
       Hopper and newer): its units stream their own pages beside the prefix units and wait for them only before the
-      merge."""
+      merge. Off until timed against the serial launches (``--tune``'s ``overlap`` variant)."""
 
     # the fastest of ``--tune``'s variants on an H100 (128 / 32 requests x 2048 shared + 128 own tokens, 1 and 4
     # prompts): 102 / 39 / 105 us against 177 / 41 / 181 us for 32-key tiles, 8 splits and 8 suffix warps
@@ -70,7 +70,7 @@ class Tiles:
     suffix_warps: int | None = None
     stages: int | None = None
     suffix_merges: bool = True
-    overlap: bool = True
+    overlap: bool = False
 
     def rows_per_tile(self, group: int) -> int:
         """Members of one prefix tile for ``group`` query heads per KV head."""

@@ -239,9 +239,8 @@ def _paged_relay_triton(q, k_cache, v_cache, k, v, block_table, past, scale, sof
         q, k_cache, v_cache, block_table, groups.tiles, groups.counts, groups.members, groups.bounds, po, plse,
         _st(q), k_cache.stride(), v_cache.stride(), po.stride(), plse.stride(), batch, block_table.stride(0),
         page_size, group, dim, scale_log2, float(softcap), OVERLAP=overlap, PROGRAMS=programs,
-        ROWS_PER_TILE=rows_per_tile,
-        BLOCK_M=max(16, _pow2(rows_per_tile * group)), SPLITS=s_prefix, BLOCK_N=keys(tiles.prefix_keys),
-        num_warps=tiles.prefix_warps or warps, **common)
+        ROWS_PER_TILE=rows_per_tile, BLOCK_M=max(16, _pow2(rows_per_tile * group)), SPLITS=s_prefix,
+        BLOCK_N=keys(tiles.prefix_keys), num_warps=tiles.prefix_warps or warps, **common)
     new_k, new_v = (k, v) if k is not None else (q, q)  # without a new token the pointers are never read
     sinks = s_aux if s_aux is not None else plse
     paged_jit._suffix_kernel[(batch, kv_heads, s_suffix)](

@@ -20,7 +20,9 @@ tokens each (no EOS). Modes:
 * ``flash_cb``: no patch; the model switched to relay's flash kernel by its id (``relay-hf/relay-flash3``), as a
   stock transformers user (or ``transformers serve --attn-implementation``) would run it.
 * ``relay_generate``: ``relay_hf.patch(model)``, then plain ``generate(**inputs, max_new_tokens=N)`` over the requests
-  in fixed batches of ``--fixed-batch`` rows (left-padded), one batch after the other.
+  in fixed batches of ``--fixed-batch`` rows (left-padded), one batch after the other. Its ``step``: the mean decode
+  step of those batches, ``(wall(N) - wall(1)) / (N - 1)`` per batch, to set beside a continuous-batching mode's
+  offline ``tpot_p50`` (with ``--fixed-batch`` equal to ``--requests`` both decode every request at once).
 
 The continuous-batching modes get one ``ContinuousBatchingConfig``: ``--max-batch-tokens``, ``--num-blocks`` and
 ``--page-size`` when given (on a CPU they must be: transformers otherwise sizes the cache from the machine's RAM).
@@ -217,13 +219,19 @@ def main(argv=None) -> None:
         used = _relay_used(model, mode)
         road = f", road {getattr(model, 'relay_continuous_road', None)}" if relay_hf.is_patched(model) else ""
         throughput = R * N / wall
-        say(f"{mode} offline: {throughput:,.0f} tok/s ({wall:.2f} s; first call {first:.2f} s){road}")
+        step = None
+        if mode == "relay_generate" and N > 1:  # its decode step: the same batches with one new token take the rest
+            prefills, _ = offline(model, mode, inputs, 1, args)
+            step = (wall - prefills) / (N - 1) / -(-R // args.fixed_batch)
+        say(f"{mode} offline: {throughput:,.0f} tok/s ({wall:.2f} s; first call {first:.2f} s)"
+            + ("" if step is None else f", decode step {step * 1e3:.2f} ms at {min(R, args.fixed_batch)} rows") + road)
         extra = {"arrival": "offline persistent" if args.persistent else "offline", "relay_used": used}
         rows += _rows(mode, {"throughput": ("tok/s", throughput), "wall": ("s", wall), "first_call": ("s", first),
                              "ttft_p50": ("s", _percentile(lat["ttft"], 50)),
                              "ttft_p99": ("s", _percentile(lat["ttft"], 99)),
                              "tpot_p50": ("ms", _scaled(_percentile(lat["tpot"], 50))),
-                             "tpot_p99": ("ms", _scaled(_percentile(lat["tpot"], 99)))}, {**base, **extra})
+                             "tpot_p99": ("ms", _scaled(_percentile(lat["tpot"], 99))), "step": ("ms", _scaled(step))},
+                      {**base, **extra})
         if mode == "relay_generate":
             continue
         online_inputs = inputs[:args.online_requests or R]

@@ -110,8 +110,7 @@ def _timed(inputs, scale: float, tiles, derive: bool):
     derived once before (every other layer)."""
     grouping, paged = _modules()
     q, kc, vc, k, v, table, seqlens = inputs
-    groups = None if derive else grouping.share_groups(table, seqlens, kc.shape[1],
-                                                       tiles.rows_per_tile(q.shape[2] // kc.shape[2]))
+    groups = None if derive else grouping.share_groups(table, seqlens, kc.shape[1], tiles.rows_per_tile(q, kc))
     return lambda: paged.paged_relay_triton(q, kc, vc, k, v, table, seqlens, scale, 0.0, None, groups, tiles=tiles)
 
 

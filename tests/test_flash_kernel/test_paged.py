@@ -236,6 +236,24 @@ def test_every_layer_of_a_step_reads_the_groups_the_first_derived():
         past = past + 1  # the next step: one more token per row, same table object
 
 
+def test_layers_whose_page_views_hold_different_page_counts_share_one_derivation_per_step(monkeypatch):
+    # transformers (5.25) gives layer i the pages of one allocation from offset 2i (its K) and 2i + 1 (its V), each
+    # view cut to the shorter: every layer's view holds a different number of pages
+    _, pages, _, _, _, table, past = _step(19, 4, [13, 14, 12], [("sys", 3)] * 3, spare=6)
+    flat = pages.reshape(-1, *pages.shape[2:])  # [pages * page_size, H_kv, D]
+    views = [flat[2 * i * 4:].reshape(-1, *pages.shape[1:])[:pages.shape[0] - 2 * i - 1] for i in range(3)]
+    assert len({v.shape[0] for v in views}) == 3
+    memo = paged._StepGroups()
+    derived = []
+    real = paged.grouping.share_groups
+    monkeypatch.setattr(paged.grouping, "share_groups", lambda *a, **kw: derived.append(1) or real(*a, **kw))
+    for step in range(2):
+        memo.begin_step()
+        first = memo.get(table, past, views[0], 4, 2)
+        assert all(memo.get(table, past, v, 4, 2) is first for v in views[1:])
+        assert len(derived) == step + 1  # once per step, by its first layer
+
+
 def test_many_requests_under_two_prompts():
     lens = [9 + (b * 7) % 13 for b in range(256)]
     shared = [("a" if b % 3 else "b", 2) for b in range(256)]

@@ -43,7 +43,8 @@ class Tiles:
     """The paged step's tile configs, in one place (``python -m benchmarks.paged --tune`` times variants of them).
 
     * ``prefix_rows``: query rows of a prefix tile (members x GQA group): the tile reads its shared pages once for
-      all of its members;
+      all of its members (``None``: 128 where a row's query is at most a 16-bit head-size-128 one's bytes, else 64:
+      the tile's queries and accumulator stay within the registers and shared memory the tuned tile uses);
     * ``prefix_keys`` / ``suffix_keys``: keys per inner step of the prefix / suffix units;
     * ``max_splits``: the most splits of one KV range (flash-decoding: splits fill the GPU when a step has few units;
       each costs an fp32 partial output per row, written and merged);
@@ -59,9 +60,10 @@ class Tiles:
       merge. Off until timed against the serial launches (``--tune``'s ``overlap`` variant)."""
 
     # the fastest of ``--tune``'s variants on an H100 (128 / 32 requests x 2048 shared + 128 own tokens, 1 and 4
-    # prompts): 102 / 39 / 105 us against 177 / 41 / 181 us for 32-key tiles, 8 splits and 8 suffix warps
-    # (benchmarks/data/kernel.csv); fewer splits write fewer fp32 partials
-    prefix_rows: int = 64
+    # prompts): 102 / 39 / 105 us against 177 / 41 / 181 us for 32-key tiles, 8 splits and 8 suffix warps, and
+    # 128-row prefix tiles then 81 / 39 / 84 us (benchmarks/data/kernel.csv); fewer splits write fewer fp32 partials,
+    # wider tiles read the shared pages for more requests at once
+    prefix_rows: int | None = None
     prefix_keys: int = 64
     suffix_keys: int = 64
     max_splits: int = 4
@@ -72,9 +74,11 @@ class Tiles:
     suffix_merges: bool = True
     overlap: bool = False
 
-    def rows_per_tile(self, group: int) -> int:
-        """Members of one prefix tile for ``group`` query heads per KV head."""
-        return max(1, self.prefix_rows // _pow2(group))
+    def rows_per_tile(self, q: torch.Tensor, k_cache: torch.Tensor) -> int:
+        """Members of one prefix tile for a call's ``q [B, 1, H_q, D]`` and ``k_cache [P, page_size, H_kv, D]``."""
+        row_bytes = max(16, _pow2(q.shape[3])) * q.element_size()  # one query row as the kernel pads it
+        rows = self.prefix_rows or (128 if row_bytes <= 256 else 64)
+        return max(1, rows // _pow2(q.shape[2] // k_cache.shape[2]))
 
 
 TILES = Tiles()
@@ -124,8 +128,10 @@ class _StepGroups:
             self._entries.clear()
 
     def get(self, block_table, past, k_cache, page_size: int, rows_per_tile: int) -> grouping.Groups:
+        # not the page count: transformers (5.25) gives each layer a view of one allocation from its own offset, so
+        # the layers' views hold different page counts; a key with it made every layer derive the groups again
         key = (block_table.device, block_table.data_ptr(), tuple(block_table.shape), tuple(block_table.stride()),
-               tuple(k_cache.shape), tuple(k_cache.stride()), page_size, rows_per_tile)
+               tuple(k_cache.shape[1:]), tuple(k_cache.stride()), page_size, rows_per_tile)
         step = (self.epoch, block_table._version)
         with self._lock:
             entry = self._entries.get(key)
@@ -208,7 +214,7 @@ def _paged_relay_triton(q, k_cache, v_cache, k, v, block_table, past, scale, sof
     batch, _, heads, dim = q.shape
     kv_heads, page_size = k_cache.shape[2], k_cache.shape[1]
     group = heads // kv_heads
-    rows_per_tile = tiles.rows_per_tile(group)
+    rows_per_tile = tiles.rows_per_tile(q, k_cache)
     block_d = max(16, _pow2(dim))
     if groups is None:
         groups = _STEP_GROUPS.get(block_table, past, k_cache, page_size, rows_per_tile)

@@ -25,12 +25,16 @@ tokens each (no EOS). Modes:
   offline ``tpot_p50`` (with ``--fixed-batch`` equal to ``--requests`` both decode every request at once).
 
 The continuous-batching modes get one ``ContinuousBatchingConfig``: ``--max-batch-tokens``, ``--num-blocks`` and
-``--page-size`` when given (on a CPU they must be: transformers otherwise sizes the cache from the machine's RAM).
+``--page-size`` when given (on a CPU they must be: transformers otherwise sizes the cache from the machine's RAM), and
+any other field of it by ``--cb-option FIELD=VALUE`` (what transformers offers against its per-step host work:
+``use_async_batching``, the padding intervals, ``default_compile_level``); the rows' ``note`` names them.
 ``--persistent``: every ``generate_batch`` call keeps its manager (``persistent_manager=True``: its CUDA graphs and
 warm-up are kept for the next call; transformers sizes a kept manager by its first call's requests, so the warm-up
 is the whole workload, and the prompt pages it cached stay shared for the timed call, as for a user who sends the same
 requests again); the rows' ``arrival`` says ``offline persistent``. ``first_call``: the warm-up
-call's wall seconds (with ``--full-warm-up``, the whole workload in a fresh manager).
+call's wall seconds (with ``--full-warm-up``, the whole workload in a fresh manager). ``--gc-freeze``: ``gc.freeze()``
+after that call, as a server might after its warm-up (transformers' manager runs a full ``gc.collect()`` whenever a
+``generate_batch`` call stops; frozen objects are not walked again); the rows' ``note`` says so.
 
 Offline (all requests at once): ``throughput`` (new tokens / wall s of the whole call, after one warm-up call of
 the same mode on 2 requests, or on the whole workload with ``--full-warm-up`` or ``--persistent``: Triton compiles a
@@ -46,6 +50,8 @@ arrival to the last result), ``ttft`` and ``tpot`` p50 / p99. Rows go to ``bench
 from __future__ import annotations
 
 import argparse
+import ast
+import gc
 import random
 import time
 
@@ -80,6 +86,11 @@ def cb_config(args, mode: str = "stock_cb"):
     for name in ("max_batch_tokens", "num_blocks"):
         if getattr(args, name):
             kw[name] = getattr(args, name)
+    for option in getattr(args, "cb_option", None) or ():
+        name, _, value = option.partition("=")
+        if name not in fields:
+            raise ValueError(f"--cb-option {option!r}: ContinuousBatchingConfig has no field {name!r}")
+        kw[name] = ast.literal_eval(value)
     return ContinuousBatchingConfig(**kw)
 
 
@@ -193,12 +204,19 @@ def main(argv=None) -> None:
     p.add_argument("--max-batch-tokens", type=int, default=None)
     p.add_argument("--num-blocks", type=int, default=None)
     p.add_argument("--page-size", type=int, default=None)
+    p.add_argument("--gc-freeze", action="store_true",
+                   help="gc.freeze() after each mode's warm-up call (transformers' manager runs gc.collect() as every "
+                        "generate_batch call stops; frozen objects are not walked)")
+    p.add_argument("--cb-option", action="append", metavar="FIELD=VALUE",
+                   help="another ContinuousBatchingConfig field for the continuous-batching modes, a Python literal "
+                        "(use_async_batching=False, default_compile_level=1, q_padding_interval_size=64); repeatable")
     p.add_argument("--timeout", type=float, default=600.0, help="online: seconds to wait for the last result")
     p.add_argument("--full-warm-up", action="store_true", help="warm up on the whole offline workload")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--note", default="")
     p.add_argument("--csv", default=str(DATA / "serve.csv"))
     args = p.parse_args(argv)
+    cb_config(args)  # a --cb-option transformers does not take fails here, before the model is built
     device = torch.device(args.device)
     dtype = getattr(torch, args.dtype)
     S, N, R = args.prefix_len, args.new_tokens, args.requests
@@ -206,7 +224,8 @@ def main(argv=None) -> None:
     inputs = requests(model.config.vocab_size, R, S, args.groups, tuple(args.user_len), args.seed)
     base = {**environment(device), "model": args.model_shape, "dtype": args.dtype, "S": S,
             "U": f"{args.user_len[0]}-{args.user_len[1]}", "R": R, "groups": args.groups, "new_tokens": N,
-            "note": args.note}
+            "note": " ".join([args.note] + [f"cb:{o}" for o in args.cb_option or ()]
+                             + (["gc-freeze"] if args.gc_freeze else [])).strip()}
     rows = []
     stock_attn = model.config._attn_implementation
     for mode in progress(args.modes, "modes"):
@@ -215,6 +234,8 @@ def main(argv=None) -> None:
         # a kept manager is sized by the requests of its first call: --persistent warms up on the whole workload
         full = args.full_warm_up or args.persistent
         first, _ = offline(model, mode, inputs if full else inputs[:2], N if full else 2, args)
+        if args.gc_freeze:  # what the process holds after its warm-up is never walked by a collection again
+            gc.freeze()
         wall, lat = offline(model, mode, inputs, N, args)
         used = _relay_used(model, mode)
         road = f", road {getattr(model, 'relay_continuous_road', None)}" if relay_hf.is_patched(model) else ""

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -206,6 +207,32 @@ def test_serve_cpu_smoke_run_measures_every_mode(tmp_path, one_thread):
             assert float(got[(mode, arrival, "throughput")]["median"]) > 0
         assert float(got[(mode, "offline persistent", "first_call")]["median"]) > 0
         assert got[(mode, "offline persistent", "throughput")]["relay_used"] == str(mode != "stock_cb")
+
+
+def test_serve_measures_relay_generates_step_and_takes_other_batching_options(tmp_path, one_thread):
+    """``relay_generate``'s decode step beside continuous batching's time per token; a ``--cb-option`` reaches
+    transformers' config and the rows name it, as they name ``--gc-freeze``; a field transformers lacks is refused
+    before any model is built."""
+    import gc
+
+    from benchmarks import serve
+
+    path = tmp_path / "serve.csv"
+    try:
+        serve.main(["--model-shape", "tiny", "--device", "cpu", "--dtype", "float32", "--requests", "4",
+                    "--prefix-len", "32", "--new-tokens", "4", "--num-blocks", "64", "--max-batch-tokens", "64",
+                    "--fixed-batch", "4", "--modes", "relay_cb", "relay_generate", "--cb-option",
+                    "use_async_batching=False", "--gc-freeze", "--csv", str(path)])
+    finally:
+        gc.unfreeze()
+    got = {(r["mode"], r["metric"]): r for r in common.read_rows(path)}
+    assert float(got[("relay_generate", "step")]["median"]) > 0 and ("relay_cb", "step") not in got
+    assert float(got[("relay_cb", "tpot_p50")]["median"]) > 0
+    assert {r["note"] for r in got.values()} == {"cb:use_async_batching=False gc-freeze"}
+    assert serve.cb_config(SimpleNamespace(page_size=None, max_batch_tokens=None, num_blocks=None,
+                                           cb_option=["use_async_batching=False"])).use_async_batching is False
+    with pytest.raises(ValueError, match="no field 'no_such_field'"):
+        serve.main(["--cb-option", "no_such_field=1", "--csv", str(tmp_path / "never.csv")])
 
 
 def test_profile_cpu_smoke_run_profiles_every_call_and_the_batching_thread(capsys, one_thread):

@@ -51,6 +51,7 @@ VARIANTS = {
     "prefix_warps4": dict(prefix_warps=4),
     "suffix_warps8": dict(suffix_warps=8),
     "rows32": dict(prefix_rows=32),
+    "rows64": dict(prefix_rows=64),
     "rows128": dict(prefix_rows=128),
     "programs32": dict(prefix_programs=32),
     "stages2": dict(stages=2),

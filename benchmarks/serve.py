@@ -37,10 +37,10 @@ after that call, as a server might after its warm-up (transformers' manager runs
 ``generate_batch`` call stops; frozen objects are not walked again); the rows' ``note`` says so.
 
 Offline (all requests at once): ``throughput`` (new tokens / wall s of the whole call, after one warm-up call of
-the same mode on 2 requests, or on the whole workload with ``--full-warm-up`` or ``--persistent``: Triton compiles a
-kernel variant the first time a step's shapes need it), and for the continuous-batching modes ``ttft`` / ``tpot`` p50
-and p99 from each request's token timestamps (time to its first token since it was added; time per output token
-after it).
+the same mode on 2 requests (``relay_generate``: on its first batch), or on the whole workload with ``--full-warm-up``
+or ``--persistent``: Triton compiles a kernel variant the first time a step's shapes need it), and for the
+continuous-batching modes ``ttft`` / ``tpot`` p50 and p99 from each request's token timestamps (time to its first
+token since it was added; time per output token after it).
 Online (``--rates``, requests per second; continuous-batching modes): the first ``--online-requests`` requests arrive
 as a Poisson process through ``init_continuous_batching().add_request`` to a manager warmed up first (as
 ``transformers serve`` warms its manager before it takes requests); ``throughput`` (new tokens / s from the first
@@ -87,10 +87,15 @@ def cb_config(args, mode: str = "stock_cb"):
         if getattr(args, name):
             kw[name] = getattr(args, name)
     for option in getattr(args, "cb_option", None) or ():
-        name, _, value = option.partition("=")
+        name, eq, value = option.partition("=")
+        if not eq:
+            raise ValueError(f"--cb-option {option!r}: expected FIELD=VALUE")
         if name not in fields:
             raise ValueError(f"--cb-option {option!r}: ContinuousBatchingConfig has no field {name!r}")
-        kw[name] = ast.literal_eval(value)
+        try:
+            kw[name] = ast.literal_eval(value)
+        except (ValueError, SyntaxError):  # a bare word: a string field's value (scheduler_type=prefill_first)
+            kw[name] = value
     return ContinuousBatchingConfig(**kw)
 
 
@@ -233,7 +238,10 @@ def main(argv=None) -> None:
         # warm-up: kernels, allocator; --full-warm-up: the whole workload once (every kernel variant it needs compiled)
         # a kept manager is sized by the requests of its first call: --persistent warms up on the whole workload
         full = args.full_warm_up or args.persistent
-        first, _ = offline(model, mode, inputs if full else inputs[:2], N if full else 2, args)
+        # relay_generate warms up on one whole batch at least: its step is recorded per batch shape, and a first
+        # recording inside wall(N) would count in its decode step
+        warm = inputs if full else inputs[:args.fixed_batch] if mode == "relay_generate" else inputs[:2]
+        first, _ = offline(model, mode, warm, N if full or mode == "relay_generate" else 2, args)
         if args.gc_freeze:  # what the process holds after its warm-up is never walked by a collection again
             gc.freeze()
         wall, lat = offline(model, mode, inputs, N, args)

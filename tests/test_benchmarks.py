@@ -229,10 +229,18 @@ def test_serve_measures_relay_generates_step_and_takes_other_batching_options(tm
     assert float(got[("relay_generate", "step")]["median"]) > 0 and ("relay_cb", "step") not in got
     assert float(got[("relay_cb", "tpot_p50")]["median"]) > 0
     assert {r["note"] for r in got.values()} == {"cb:use_async_batching=False gc-freeze"}
-    assert serve.cb_config(SimpleNamespace(page_size=None, max_batch_tokens=None, num_blocks=None,
-                                           cb_option=["use_async_batching=False"])).use_async_batching is False
+    def config(*options):
+        return serve.cb_config(SimpleNamespace(page_size=None, max_batch_tokens=None, num_blocks=None,
+                                               cb_option=list(options)))
+
+    assert config("use_async_batching=False").use_async_batching is False
+    assert config("scheduler_type=prefill_first").scheduler_type == "prefill_first"  # a bare word: a string
+    tiny = ["--model-shape", "tiny", "--device", "cpu", "--csv", str(tmp_path / "never.csv")]
     with pytest.raises(ValueError, match="no field 'no_such_field'"):
-        serve.main(["--cb-option", "no_such_field=1", "--csv", str(tmp_path / "never.csv")])
+        serve.main(["--cb-option", "no_such_field=1", *tiny])
+    with pytest.raises(ValueError, match="expected FIELD=VALUE"):
+        serve.main(["--cb-option", "use_async_batching", *tiny])
+    assert not (tmp_path / "never.csv").exists()
 
 
 def test_profile_cpu_smoke_run_profiles_every_call_and_the_batching_thread(capsys, one_thread):

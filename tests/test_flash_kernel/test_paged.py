@@ -254,6 +254,35 @@ def test_layers_whose_page_views_hold_different_page_counts_share_one_derivation
         assert len(derived) == step + 1  # once per step, by its first layer
 
 
+def test_a_table_at_a_freed_tables_address_is_not_read_as_it():
+    # a new manager's table allocated where the last one was, at the same version count, without begin_step
+    _, pages, _, _, _, table, past = _step(19, 4, [13, 14, 12], [("sys", 3)] * 3)
+    half = pages.shape[0] // 2
+    memo = paged._StepGroups()
+    first = memo.get(table, past, pages[:half], 4, 2)
+    assert memo.get(table[:], past, pages[half:2 * half], 4, 2) is first  # a view of the same table: the same
+    other = torch.empty(0, dtype=table.dtype).set_(table.untyped_storage(), 0, table.shape, table.stride())
+    while other._version != table._version:
+        (other if other._version < table._version else table).add_(0)
+    assert other.data_ptr() == table.data_ptr() and other is not table
+    assert memo.get(other, past, pages[half:2 * half], 4, 2) is not first
+
+
+def test_prefix_tiles_hold_128_query_rows_on_hopper_up_to_16_bit_head_size_128(monkeypatch):
+    def members(dtype, heads, kv_heads, dim, tiles=paged.TILES):
+        q = torch.zeros(2, 1, heads, dim, dtype=dtype)
+        return tiles.rows_per_tile(q, torch.zeros(4, 16, kv_heads, dim, dtype=dtype))
+
+    assert members(torch.bfloat16, 32, 8, 128) == 16  # not Hopper (the CPU here): 64 rows
+    assert members(torch.bfloat16, 32, 8, 128, paged.Tiles(prefix_rows=128)) == 32
+    monkeypatch.setattr(paged, "_hopper", lambda device: True)
+    assert members(torch.bfloat16, 32, 8, 128) == 32  # 128 rows: 32 requests x 4 query heads
+    assert members(torch.float16, 9, 3, 64) == 32  # a GQA group of 3 takes a power of two's rows
+    assert members(torch.float32, 32, 8, 128) == 16 and members(torch.bfloat16, 16, 8, 256) == 32
+    assert members(torch.float32, 8, 8, 64) == 128 and members(torch.float32, 8, 8, 96) == 64
+    assert members(torch.bfloat16, 32, 8, 128, paged.Tiles(prefix_rows=64)) == 16
+
+
 def test_many_requests_under_two_prompts():
     lens = [9 + (b * 7) % 13 for b in range(256)]
     shared = [("a" if b % 3 else "b", 2) for b in range(256)]

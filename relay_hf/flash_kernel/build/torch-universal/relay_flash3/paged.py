@@ -26,6 +26,7 @@ import functools
 import math
 import os
 import threading
+import weakref
 from collections import OrderedDict
 
 import torch
@@ -43,8 +44,9 @@ class Tiles:
     """The paged step's tile configs, in one place (``python -m benchmarks.paged --tune`` times variants of them).
 
     * ``prefix_rows``: query rows of a prefix tile (members x GQA group): the tile reads its shared pages once for
-      all of its members (``None``: 128 where a row's query is at most a 16-bit head-size-128 one's bytes, else 64:
-      the tile's queries and accumulator stay within the registers and shared memory the tuned tile uses);
+      all of its members (``None``: 128 on Hopper and newer where a row's query is at most a 16-bit head-size-128
+      one's bytes, as timed there; else 64: a 128-row tile takes ~96 KB of shared memory at 16-bit head size 128,
+      more than some older cards give a program);
     * ``prefix_keys`` / ``suffix_keys``: keys per inner step of the prefix / suffix units;
     * ``max_splits``: the most splits of one KV range (flash-decoding: splits fill the GPU when a step has few units;
       each costs an fp32 partial output per row, written and merged);
@@ -62,7 +64,7 @@ class Tiles:
     # the fastest of ``--tune``'s variants on an H100 (128 / 32 requests x 2048 shared + 128 own tokens, 1 and 4
     # prompts): 102 / 39 / 105 us against 177 / 41 / 181 us for 32-key tiles, 8 splits and 8 suffix warps, and
     # 128-row prefix tiles then 81 / 39 / 84 us (benchmarks/data/kernel.csv); fewer splits write fewer fp32 partials,
-    # wider tiles read the shared pages for more requests at once
+    # wider tiles read the shared pages for more requests at once (at more register spills: timed on Hopper only)
     prefix_rows: int | None = None
     prefix_keys: int = 64
     suffix_keys: int = 64
@@ -77,7 +79,7 @@ class Tiles:
     def rows_per_tile(self, q: torch.Tensor, k_cache: torch.Tensor) -> int:
         """Members of one prefix tile for a call's ``q [B, 1, H_q, D]`` and ``k_cache [P, page_size, H_kv, D]``."""
         row_bytes = max(16, _pow2(q.shape[3])) * q.element_size()  # one query row as the kernel pads it
-        rows = self.prefix_rows or (128 if row_bytes <= 256 else 64)
+        rows = self.prefix_rows or (128 if row_bytes <= 256 and _hopper(q.device) else 64)
         return max(1, rows // _pow2(q.shape[2] // k_cache.shape[2]))
 
 
@@ -109,8 +111,9 @@ class _StepGroups:
 
     Deriving again is always correct; reading is correct within a step, and across steps whose block table is
     unchanged (the same requests in the same rows: their shared pages stay complete and shared). Entries are keyed
-    by the block table's address, shape and strides and the cache's page layout; a few are kept (one per table in
-    flight: async batching doubles them)."""
+    by the block table's address, shape and strides and the cache's page layout, and hold the tensor the table lives
+    in weakly (a table at a freed one's address is not it); a few are kept (one per table in flight: async batching
+    doubles them)."""
 
     def __init__(self, size: int = 16):
         self._entries: OrderedDict = OrderedDict()
@@ -132,9 +135,14 @@ class _StepGroups:
         # the layers' views hold different page counts; a key with it made every layer derive the groups again
         key = (block_table.device, block_table.data_ptr(), tuple(block_table.shape), tuple(block_table.stride()),
                tuple(k_cache.shape[1:]), tuple(k_cache.stride()), page_size, rows_per_tile)
+        # the tensor the table lives in (a view's base): a table freed and another allocated at its address (a new
+        # manager, a user without begin_step) is another table, whatever its version counter says
+        owner = block_table if block_table._base is None else block_table._base
         step = (self.epoch, block_table._version)
         with self._lock:
             entry = self._entries.get(key)
+            if entry is not None and entry[3]() is not owner:
+                entry = None
             if entry is not None and entry[1] == step and entry[0] != k_cache.data_ptr():
                 self._entries.move_to_end(key)
                 return entry[2]
@@ -145,7 +153,7 @@ class _StepGroups:
         with self._lock:
             # the first layer of a new step marks itself; a repeat by the marked layer keeps the mark
             first = entry[0] if entry is not None and entry[1] == step else k_cache.data_ptr()
-            self._entries[key] = (first, step, groups)
+            self._entries[key] = (first, step, groups, weakref.ref(owner))
             self._entries.move_to_end(key)
             while len(self._entries) > self._size:
                 self._entries.popitem(last=False)

@@ -59,7 +59,8 @@ class Tiles:
       launch, no suffix partial); ``False``: a merge launch always;
     * ``overlap``: such a merging suffix launch starts while the prefix launch runs (programmatic dependent launch,
       Hopper and newer): its units stream their own pages beside the prefix units and wait for them only before the
-      merge. Off until timed against the serial launches (``--tune``'s ``overlap`` variant)."""
+      merge. Off: on an H100 it gained 1 % over the serial launches (100.8 against 102.1 us at 128 requests with
+      64-row prefix tiles, docs/performance.md); ``--tune``'s ``overlap`` variant times it again."""
 
     # the fastest of ``--tune``'s variants on an H100 (128 / 32 requests x 2048 shared + 128 own tokens, 1 and 4
     # prompts): 102 / 39 / 105 us against 177 / 41 / 181 us for 32-key tiles, 8 splits and 8 suffix warps, and

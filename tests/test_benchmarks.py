@@ -36,6 +36,17 @@ def test_tune_variants_override_existing_kernel_config_fields():
             assert getattr(config, key) == value
 
 
+def test_paged_tune_variants_override_existing_tiles_fields():
+    """``paged --tune`` builds each variant with ``dataclasses.replace(paged.TILES, **overrides)``: a renamed
+    ``Tiles`` field must fail here, not on the GPU."""
+    _, paged_module = paged._modules()
+    fields = {f.name for f in dataclasses.fields(paged_module.TILES)}
+    for name, overrides in paged.VARIANTS.items():
+        assert set(overrides) <= fields, f"variant {name!r}: no Tiles field {sorted(set(overrides) - fields)}"
+        tiles = dataclasses.replace(paged_module.TILES, **overrides)
+        assert all(getattr(tiles, key) == value for key, value in overrides.items())
+
+
 def test_kernel_cpu_smoke_run_appends_exact_relay_rows(tmp_path, one_thread):
     """The kernel benchmark's CPU path on tiny shapes: every row in the schema, times for relay and SDPA, and relay's
     output equal to SDPA's over the expanded prefix (fp32)."""

@@ -54,7 +54,11 @@ class Tiles:
     * ``prefix_warps`` / ``suffix_warps``: warps per program (``None``: prefix 8 from head size 128 up, else 4;
       suffix, whose tile is one request's GQA group, 8 above head size 128, else 4; head size 256 spills at 4);
       key tiles are sized for 16-bit heads of size 128 and narrowed for wider heads and fp32 (the same bytes);
-    * ``stages``: software-pipelining depth of the key loops (``None``: Triton's default);
+    * ``prefix_stages`` / ``suffix_stages``: software-pipelining depth of the key loops (``None``: Triton's
+      default); a suffix unit walks one request's few own pages, so deep pipelines buy it little and their shared
+      memory caps how many of its programs an SM holds;
+    * ``half_partials``: fp16/bf16 steps keep the prefix partial outputs in the query's dtype (half the bytes those
+      fp32 partials write and the merge reads; the LSE stays fp32);
     * ``suffix_merges``: an unsplit suffix unit merges its row's prefix partials and writes the output (no merge
       launch, no suffix partial); ``False``: a merge launch always;
     * ``overlap``: such a merging suffix launch starts while the prefix launch runs (programmatic dependent launch,
@@ -73,7 +77,9 @@ class Tiles:
     prefix_programs: int = 16
     prefix_warps: int | None = None
     suffix_warps: int | None = None
-    stages: int | None = None
+    prefix_stages: int | None = None
+    suffix_stages: int | None = None
+    half_partials: bool = False
     suffix_merges: bool = True
     overlap: bool = False
 
@@ -236,7 +242,8 @@ def _paged_relay_triton(q, k_cache, v_cache, k, v, block_table, past, scale, sof
     overlap = merge and tiles.overlap and _hopper(q.device)
     slots = 2 * s_prefix + (0 if merge else s_suffix)
     # no -inf fill: which slots of a row hold a result follows from its groups (paged_jit's docstring)
-    po = torch.empty(slots, batch, heads, dim, device=q.device, dtype=torch.float32)
+    po = torch.empty(slots, batch, heads, dim, device=q.device,
+                     dtype=q.dtype if tiles.half_partials and q.element_size() == 2 else torch.float32)
     plse = torch.empty(slots, batch, heads, device=q.device, dtype=torch.float32)
     out = torch.empty_like(q)
     # log2-domain factor on q.k; with a softcap it is the tanh's argument scale * log2(e) / softcap instead
@@ -248,14 +255,14 @@ def _paged_relay_triton(q, k_cache, v_cache, k, v, block_table, past, scale, sof
     # at an H100's limit; the tuned 16-bit tiles take half)
     warps = 8 if block_d >= 128 else 4
     keys = lambda n: max(16, min(n, n * 256 // (block_d * q.element_size())))  # noqa: E731
-    common = dict(BLOCK_D=block_d, SOFTCAP=bool(softcap), IEEE=ieee,
-                  **({} if tiles.stages is None else {"num_stages": tiles.stages}))
+    common = dict(BLOCK_D=block_d, SOFTCAP=bool(softcap), IEEE=ieee)
+    stages = lambda n: {} if n is None else {"num_stages": n}  # noqa: E731
     paged_jit._prefix_kernel[(programs, kv_heads, s_prefix)](
         q, k_cache, v_cache, block_table, groups.tiles, groups.counts, groups.members, groups.bounds, po, plse,
         _st(q), k_cache.stride(), v_cache.stride(), po.stride(), plse.stride(), batch, block_table.stride(0),
         page_size, group, dim, scale_log2, float(softcap), OVERLAP=overlap, PROGRAMS=programs,
         ROWS_PER_TILE=rows_per_tile, BLOCK_M=max(16, _pow2(rows_per_tile * group)), SPLITS=s_prefix,
-        BLOCK_N=keys(tiles.prefix_keys), num_warps=tiles.prefix_warps or warps, **common)
+        BLOCK_N=keys(tiles.prefix_keys), num_warps=tiles.prefix_warps or warps, **stages(tiles.prefix_stages), **common)
     new_k, new_v = (k, v) if k is not None else (q, q)  # without a new token the pointers are never read
     sinks = s_aux if s_aux is not None else plse
     paged_jit._suffix_kernel[(batch, kv_heads, s_suffix)](
@@ -264,7 +271,8 @@ def _paged_relay_triton(q, k_cache, v_cache, k, v, block_table, past, scale, sof
         block_table.stride(0), block_table.shape[1] * page_size - (k is not None), page_size, group, dim, scale_log2,
         float(softcap), PREFIX_SPLITS=s_prefix, BLOCK_M=max(16, _pow2(group)), SPLITS=s_suffix,
         BLOCK_N=keys(tiles.suffix_keys), WRITE=k is not None, MERGE=merge, HAS_SINKS=s_aux is not None,
-        OVERLAP=overlap, launch_pdl=overlap, num_warps=tiles.suffix_warps or (8 if block_d >= 256 else 4), **common)
+        OVERLAP=overlap, launch_pdl=overlap, num_warps=tiles.suffix_warps or (8 if block_d >= 256 else 4),
+        **stages(tiles.suffix_stages), **common)
     if not merge:
         paged_jit._merge_kernel[(batch, heads)](po, plse, out, sinks, groups.bounds, po.stride(), plse.stride(),
                                                 _st(out), dim, slots, PREFIX_SPLITS=s_prefix, BLOCK_S=_pow2(slots),

@@ -4,8 +4,8 @@
    ``rows_per_tile`` members of a group (``grouping.Groups.tiles``) with the GQA group of one KV head, folded into
    ``BLOCK_M`` query rows, streaming one split of the group's shared pages through the leader's block-table row:
    those pages come from HBM once for the whole tile. A program loops over the step's live tiles. Each unit writes a
-   normalised fp32 partial output and its natural-log fp32 LSE into its slot (``PO``/``PLSE``): level-1 split ``s``
-   -> slot ``s``, level-2 -> ``splits + s``.
+   normalised partial output (fp32, or the query's dtype: ``Tiles.half_partials``) and its natural-log fp32 LSE into
+   its slot (``PO``/``PLSE``): level-1 split ``s`` -> slot ``s``, level-2 -> ``splits + s``.
 2. ``_suffix_kernel`` — grid ``(B, H_kv, splits)``: suffix units, one row's GQA group against one split of its
    suffix: its cached pages after the shared prefix, then (last split) the step's new token, read from the call's
    ``k``/``v`` while split 0 writes it into its page (no write launch; no unit reads that slot of the cache in this
@@ -109,7 +109,8 @@ def _unit(Q, KC, VC, PO, PLSE, rows, row_ok, lo, hi, bt_row, slot, h, split, q_s
     out, lse = _attend(q, KC, VC, bt_row, lo_s, hi_s, h, kc_st, vc_st, page_size, d, d_ok, scale_log2, softcap,
                        BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D, SOFTCAP=SOFTCAP, IEEE=IEEE)
     at = slot * po_st[0] + rows.to(tl.int64) * po_st[1] + heads * po_st[2]
-    tl.store(PO + at[:, None] + d[None, :] * po_st[3], out, mask=row_ok[:, None] & d_ok[None, :])
+    tl.store(PO + at[:, None] + d[None, :] * po_st[3], out.to(PO.dtype.element_ty),
+             mask=row_ok[:, None] & d_ok[None, :])
     tl.store(PLSE + slot * plse_st[0] + rows.to(tl.int64) * plse_st[1] + heads * plse_st[2], lse * _LN2, mask=row_ok)
 
 
@@ -184,7 +185,8 @@ def _suffix_kernel(Q, K, V, KC, VC, BT, PAST, BOUNDS, PO, PLSE, OUT, SINKS, q_st
     else:
         slot = 2 * PREFIX_SPLITS + split
         at = slot * po_st[0] + b.to(tl.int64) * po_st[1] + heads * po_st[2]
-        tl.store(PO + at[:, None] + d[None, :] * po_st[3], out, mask=row_ok[:, None] & d_ok[None, :])
+        tl.store(PO + at[:, None] + d[None, :] * po_st[3], out.to(PO.dtype.element_ty),
+                 mask=row_ok[:, None] & d_ok[None, :])
         tl.store(PLSE + slot * plse_st[0] + b.to(tl.int64) * plse_st[1] + heads * plse_st[2], lse * _LN2,
                  mask=row_ok)
 
@@ -236,7 +238,7 @@ def _merged(out, lse, PO, PLSE, SINKS, BOUNDS, b, heads, row_ok, d, d_ok, po_st,
         part_lse = tl.load(PLSE + s * plse_st[0] + b.to(tl.int64) * plse_st[1] + heads * plse_st[2], mask=ok,
                            other=float("-inf")) * _LOG2E
         part = tl.load(PO + s * po_st[0] + b.to(tl.int64) * po_st[1] + heads[:, None] * po_st[2] + d[None, :] *
-                       po_st[3], mask=ok[:, None] & d_ok[None, :], other=0.0)
+                       po_st[3], mask=ok[:, None] & d_ok[None, :], other=0.0).to(tl.float32)
         m_new = tl.maximum(m, part_lse)
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
         alpha, w = tl.exp2(m - m_safe), tl.exp2(part_lse - m_safe)
@@ -276,6 +278,6 @@ def _merge_kernel(PO, PLSE, OUT, SINKS, BOUNDS, po_st, plse_st, o_st, D, slots, 
     if HAS_SINKS:
         den += tl.exp2((sink - m_safe) * _LOG2E)
     part = tl.load(PO + s[:, None] * po_st[0] + b * po_st[1] + h * po_st[2] + d[None, :] * po_st[3],
-                   mask=(w[:, None] > 0.0) & d_ok[None, :], other=0.0)  # [BLOCK_S, BLOCK_D]
+                   mask=(w[:, None] > 0.0) & d_ok[None, :], other=0.0).to(tl.float32)  # [BLOCK_S, BLOCK_D]
     out = tl.sum(w[:, None] * part, 0) / tl.where(den > 0.0, den, 1.0)
     tl.store(OUT + b * o_st[0] + h * o_st[1] + d * o_st[2], out.to(OUT.dtype.element_ty), mask=d_ok)

@@ -60,11 +60,10 @@ def main(argv=None) -> None:
     assert model.relay_last_decision.prefix_kept == S
     depends = kv_dependencies(model)
     check = SegmentCheck.record(model, system, system, {"partial_params": depends.partial})
-    assert check.holds(model, system, system)
+    assert check.holds(model, system)
     # as a call's prefill runs them: the structure once per call, then the hit's check (its memo seeded by the first)
     depends_s = _wall(lambda: kv_dependencies(model), device, 2 * args.reps)
-    check_s = _wall(lambda: check.holds(model, system, system, {"partial_params": depends.partial}), device,
-                    2 * args.reps)
+    check_s = _wall(lambda: check.holds(model, system, {"partial_params": depends.partial}), device, 2 * args.reps)
     print(f"{args.model_shape} {args.dtype} on {args.device}, S={S} B={B} U={U} N={N}")
     print(f"generate under the kept prompt: {generate_s * 1e3:.1f} ms; the hit's check: {check_s * 1e3:.2f} ms "
           f"({100 * check_s / generate_s:.2f}% of the call); the structure (every call): {depends_s * 1e3:.2f} ms "

@@ -27,7 +27,7 @@ from transformers.utils import is_torchdynamo_compiling
 from ._compat import attn_implementation
 from .kernels import pin_tables
 from .kernels.groups import PrefixGroups
-from .layers import RelayLayer, StaticRelayLayer, share_groups
+from .layers import RelayLayer, StaticRelayLayer, reset_static, share_groups
 from .names import is_relay_name
 from .prefill import pack_prefixes, prefill_prefixes, prefill_tree
 from .prefix import PrefixTree
@@ -65,11 +65,11 @@ class _Constructors:
         return cls(model.config, kv, tree=tree, windows=windows)
 
     @classmethod
-    def from_tree(cls, model, tree: PrefixTree, store=None, depends=None) -> RelayCache:
+    def from_tree(cls, model, tree: PrefixTree, store=None, depends=None, pending: list | None = None) -> RelayCache:
         """Prefill the segments of ``tree`` (roots at position 0, each child after its parent's KV) at batch 1 and
         pack them (``prefill.prefill_tree``; segments kept in ``store`` are not prefilled again: ``kept_tokens``
-        says how many tokens came from it)."""
-        kv, windows, kept = prefill_tree(model, tree, store, depends)
+        says how many tokens came from it; ``pending``: their checks' verdicts, left unread)."""
+        kv, windows, kept = prefill_tree(model, tree, store, depends, pending)
         cache = cls(model.config, kv, tree=tree, windows=windows)
         cache.kept_tokens = kept
         return cache
@@ -357,7 +357,7 @@ class StaticRelayCache(RelayCache):
                 lay.prefix_values[:, :, :P].copy_(src.prefix_values)
             lay.suffix_padding = suffix_padding
             lay.full_lengths = src.full_lengths
-            lay.reset()
+        reset_static(self.layers)  # every layer's reset, in a few launches
         self.tree = base.tree
         self._filled_from = source
         self._set_groups(groups)

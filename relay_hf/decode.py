@@ -102,7 +102,7 @@ class _Finish:
 
 def fast_generate(model, ids: torch.Tensor, mask: torch.Tensor, stock_ids: torch.Tensor, slot, sampler: Sampler,
                   streamer, compile_config, n_new: int, rows_per_input: int = 1, stop=None,
-                  decode: DecodeConfig = DEFAULT_DECODE) -> torch.Tensor:
+                  decode: DecodeConfig = DEFAULT_DECODE, verify=None) -> torch.Tensor:
     """Generation on relay_hf's loop.
 
     Args:
@@ -114,13 +114,14 @@ def fast_generate(model, ids: torch.Tensor, mask: torch.Tensor, stock_ids: torch
         sampler: from ``sampling.loop_sampler``. ``stop``: a stop-string criterion (stock's, on stock-layout ids) or
             ``None``.
         n_new: tokens to make at most.
+        verify: called once the prefill is launched and before anything is drawn or shown (the first token drawn,
+            the streamer's first put): the check of a kept prefix the cache holds, read then (it raises to throw
+            the call's work away); ``None``: nothing to read.
 
     Prefills the rows' own tokens (the prefix is never recomputed), then decodes. Returns ``[R, T + n]`` int64
     sequences in relay layout, ``n`` as stock generate gives it (``n_new``, or fewer when every row has finished).
     """
     ids, mask = ids.repeat_interleave(rows_per_input, 0), mask.repeat_interleave(rows_per_input, 0)
-    if streamer is not None:  # stock streams the prompt expanded to its return sequences
-        streamer.put(ids.cpu())
     R = ids.shape[0]
     cache = slot.cache
     Rb = cache.layers[0].suffix_padding.shape[0]
@@ -133,7 +134,13 @@ def fast_generate(model, ids: torch.Tensor, mask: torch.Tensor, stock_ids: torch
         step.pos.copy_(pos)
         rng = _RngOffsets(ids.device, sampler.sample)
         rng.mark()
+        if verify is not None and sampler.sample:
+            verify()  # before the draw: a call run again draws what stock draws
         choose(logits[:R], choice, step.tok)
+        if verify is not None and not sampler.sample:
+            verify()  # greedy: after the choice is launched, so the device goes on while the host waits
+        if streamer is not None:  # stock streams the prompt expanded to its return sequences
+            streamer.put(ids.cpu())
         made, sent = 1, 0
         chunk = decode.chunk if step.captures else 1
         finish = _Finish(stock_ids.repeat_interleave(rows_per_input, 0).cpu(), sampler, stop)

@@ -81,7 +81,8 @@ def bit_sums(tensors: list[torch.Tensor]) -> torch.Tensor:
 
 
 def _embedded(model, ids: torch.Tensor) -> torch.Tensor:
-    """``[n]`` fp32: the token embeddings of ``ids`` (``[n]``), each projected on a fixed vector."""
+    """``[n]`` fp32: the token embeddings of ``ids`` (``[n]``, on the model's device: a hit copies nothing to it, so
+    the host never waits for the device here), each projected on a fixed vector."""
     emb = model.get_input_embeddings()(ids[None].to(model.device))[0].float()  # [n, H]
     probe = torch.linspace(1.0, 2.0, emb.shape[-1], device=emb.device)  # distinct weights: a swap within a row shows
     return emb @ probe
@@ -132,6 +133,14 @@ def _partial(model, memo: dict) -> torch.Tensor:
     return memo["partial"]
 
 
+def _equal(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor | bool:
+    """``torch.equal(a, b)`` left on ``a``'s device (a 0-dim bool tensor, nothing read back), or a ``bool`` where the
+    host knows the answer (shapes or dtypes differ; nothing to compare)."""
+    if a.shape != b.shape or a.dtype != b.dtype:
+        return False
+    return True if a.numel() == 0 else torch.eq(a, b.to(a.device)).all()
+
+
 class SegmentCheck(NamedTuple):
     """What a kept segment is checked against on a hit.
 
@@ -141,12 +150,14 @@ class SegmentCheck(NamedTuple):
         embedded: ``[n]`` fp32 the segment's own token embeddings, projected (``_embedded``).
         partial: ``[m]`` int64 ``bit_sums(partial_reach(model))``.
         replay: how a hit recomputes ``head`` (``_Replay``: a CUDA graph on CUDA).
+        own: ``[n]`` int64 the segment's own token ids on the model's device (what ``_embedded`` reads on a hit).
     """
 
     head: torch.Tensor
     embedded: torch.Tensor
     partial: torch.Tensor
     replay: _Replay
+    own: torch.Tensor
 
     @classmethod
     @torch.no_grad()
@@ -160,15 +171,28 @@ class SegmentCheck(NamedTuple):
         if key not in memo:  # recorded by the replay a hit runs: the same kernels, the same bits
             replay = _Replay()
             memo[key] = replay(model, head).clone(), replay
-        return cls(memo[key][0], _embedded(model, own_ids), _partial(model, memo), memo[key][1])
+        own = own_ids.to(model.device, torch.int64)
+        return cls(memo[key][0], _embedded(model, own), _partial(model, memo), memo[key][1], own)
 
     @torch.no_grad()
-    def holds(self, model, full_ids: torch.Tensor, own_ids: torch.Tensor, memo: dict | None = None) -> bool:
-        """Whether ``model`` as it is now gives this check's values, bit for bit."""
+    def verdict(self, model, full_ids: torch.Tensor, memo: dict | None = None) -> torch.Tensor | bool:
+        """Whether ``model`` as it is now gives this check's values, bit for bit, computed but not read: a 0-dim bool
+        tensor on the model's device (or a ``bool`` the host already knows). Nothing here waits for the device, so a
+        caller can launch more work (its prefill) before it reads the answer."""
         memo = {} if memo is None else memo
         head = self.replay(model, full_ids[:CHECK_TOKENS])
-        pairs = [(self.head, head), (self.embedded, _embedded(model, own_ids)), (self.partial, _partial(model, memo))]
-        return all(a.shape == b.shape and a.dtype == b.dtype and torch.equal(a, b.to(a.device)) for a, b in pairs)
+        pairs = [(self.head, head), (self.embedded, _embedded(model, self.own)), (self.partial, _partial(model, memo))]
+        found = [_equal(a, b) for a, b in pairs]
+        if any(f is False for f in found):
+            return False
+        found = [f for f in found if f is not True]
+        if not found:
+            return True
+        return torch.stack([f.to(found[0].device) for f in found]).all()
+
+    def holds(self, model, full_ids: torch.Tensor, memo: dict | None = None) -> bool:
+        """Whether ``model`` as it is now gives this check's values, bit for bit (``verdict``, read now)."""
+        return bool(self.verdict(model, full_ids, memo))
 
     def nbytes(self) -> int:
-        return self.head.nbytes + self.embedded.nbytes + self.partial.nbytes
+        return self.head.nbytes + self.embedded.nbytes + self.partial.nbytes + self.own.nbytes

@@ -4,7 +4,9 @@ Per call: ``policy.decide`` routes it to relay or stock. Stock runs the class's 
 arguments (a ``RelayCache`` argument removed, so stock never sees a cache in a layout it cannot use). Relay:
 
 1. prefills each shared prefix once at batch 1 into a ``RelayCache``, or takes it from the model's prefix store
-   (``kept.py``), or forks the caller's cache (never mutated),
+   (``kept.py``; on relay_hf's loop a kept segment's check is read only once the call's own prefill is launched, and
+   a call whose check failed runs again as one read at once would: ``_run_kept``), or forks the caller's cache (never
+   mutated),
 2. lays each row out as ``[its prefix | masked | its suffix]`` (``prefix.RowLayout``) and runs stock ``generate`` on
    that, so only the suffixes are prefilled and every decode step reads each prefix once per batch; user processors,
    criteria and streamers see the stock layout,
@@ -30,12 +32,13 @@ from transformers.generation.streamers import BaseStreamer
 from ._compat import cache_kwarg_name, output_cache
 from .cache import RelayCache
 from .decode import fast_generate
-from .kept import kept_caches, prefix_store, tree_keys
+from .kept import count_kept, kept_caches, tree_keys
 from .policy import CACHE_NAMES, NOT_PATCHED, RelayDecision, Route, decide
 from .prefix import RowLayout, relay_layout
 from .sampling import loop_sampler
 from .state import StaticSlot, relay_state
 from .stats import attention_windows, decode_bytes_not_reread, layer_kv_bytes
+from .store import StaleKept
 
 logger = logging.getLogger("relay_hf")
 
@@ -168,19 +171,50 @@ def _extend(rows_values, rows: int):
 def _run_relay(model, stock, call: dict, route: Route):
     grouping = route.grouping
     layout = relay_layout(route.ids, route.mask, route.n_pad, grouping.prefix_lengths(), route.suffix_columns)
+    # before any kept prefix's check is launched: its device copies then wait for nothing of this call
+    sampler = loop_sampler(model, route.gen, route.ids, route.processors) if route.fast_decode else None
     if route.user_cache is not None:
-        return _run_relay_on(model, stock, call, route, layout, route.user_cache, 0)
-    # each shared segment prefilled once, at batch 1, or taken from the model's prefix store; held while the call
-    # runs (no other call evicts them meanwhile), the store back within its budget when it ends
-    store, depends = prefix_store(model)
+        return _run_relay_on(model, stock, call, route, layout, route.user_cache, 0, sampler)
+    # each shared segment prefilled once, at batch 1, or taken from the model's prefix store (route.depends: the
+    # model's structure, read by policy.decide); held while the call runs (no other call evicts them meanwhile), the
+    # store back within its budget when it ends
+    store = None if route.depends is None else relay_state(model).store
     with contextlib.nullcontext() if store is None else store.holding(tree_keys(grouping.tree)):
-        (base,), _ = kept_caches(model, [grouping.tree], store, depends)
-        return _run_relay_on(model, stock, call, route, layout, base, base.kept_tokens)
+        if store is not None and route.fast_decode:
+            try:
+                return _run_kept(model, stock, call, route, layout, store, sampler)
+            except StaleKept:  # what it computed is thrown away; run again as a failed check runs: prefilled
+                logger.debug("relay_hf: a kept prefix failed its check after the call took it; running it again")
+        (base,), _ = kept_caches(model, [grouping.tree], store, route.depends)
+        return _run_relay_on(model, stock, call, route, layout, base, base.kept_tokens, sampler)
 
 
-def _run_relay_on(model, stock, call: dict, route: Route, layout, base: RelayCache, kept: int):
+def _run_kept(model, stock, call: dict, route: Route, layout, store, sampler):
+    """The call on relay_hf's loop, its kept segments' checks read only once its own prefill is launched (the
+    device runs the check, then the prefill; the host waits once, before the first token is chosen or shown).
+    ``StaleKept`` when one failed: its entry is dropped, the call's work (the pooled static cache's buffers) is
+    left to be overwritten, and nothing reached the caller, its counters or its streamer."""
+    pending = []
+    try:
+        (base,), _ = kept_caches(model, [route.grouping.tree], store, route.depends, pending)
+        out = _run_relay_on(model, stock, call, route, layout, base, base.kept_tokens, sampler,
+                            lambda: store.settle(pending))
+        store.settle(pending)  # (read by the loop already)
+    except StaleKept:
+        raise
+    except Exception:
+        store.settle(pending)  # a failure on a stale segment's KV is the stale segment's: StaleKept, run again
+        raise
+    count_kept(model, [base])
+    return out
+
+
+def _run_relay_on(model, stock, call: dict, route: Route, layout, base: RelayCache, kept: int, sampler=None,
+                  verify=None):
     """The relay call on ``base``, the prefix cache (``kept``: its tokens taken from the store). Returns the output,
-    ``kept`` and, on relay_hf's loop, how its step ran in the end (``DecodeStep.kind``), else ``None``."""
+    ``kept`` and, on relay_hf's loop, how its step ran in the end (``DecodeStep.kind``), else ``None``. ``sampler``:
+    relay_hf's loop's (``sampling.loop_sampler``); ``verify``: what the loop calls before anything of the call is
+    shown or drawn (``decode.fast_generate``)."""
     per_input = route.rows // route.ids.shape[0]  # beams / return sequences
     pads = layout.suffix_padding.to(torch.int32).repeat_interleave(per_input)  # [R]
     paths = [p for p in route.grouping.paths for _ in range(per_input)] if route.grouped else None
@@ -196,11 +230,11 @@ def _run_relay_on(model, stock, call: dict, route: Route, layout, base: RelayCac
         if route.fast_decode:
             streamer = call.get("streamer")
             stop = _stop_strings(call, route)
-            sampler = loop_sampler(model, route.gen, route.ids, route.processors)
             with torch.no_grad():
                 out = fast_generate(model, layout.ids, layout.mask, route.ids, slot, sampler,
                                     None if streamer is None else _StreamerView(streamer, layout),
-                                    route.compile_config, route.new_tokens, rows_per_input=per_input, stop=stop)
+                                    route.compile_config, route.new_tokens, rows_per_input=per_input, stop=stop,
+                                    verify=verify)
             step_kind = slot.stepper.kind  # after the call: a compile or capture that failed moved it down
             return layout.to_stock(out), kept, step_kind
         call = {k: v for k, v in call.items() if k not in ("inputs", "input_ids", *CACHE_NAMES)}
@@ -275,10 +309,11 @@ def _count(model, route: Route, out) -> None:
             segments.append((starts[j] + tokens, tokens, readers))
     if not any(len(readers) > 1 for _, _, readers in segments):  # one reader each (a chat turn under a kept prompt)
         steps = 0
-    layers = list(zip(attention_windows(model), layer_kv_bytes(model)))
-    relay_state(model).counters.add(
-        relay_steps=steps, relay_rows=steps * route.rows,
-        kv_bytes_not_reread=decode_bytes_not_reread(segments, steps, layers) if steps else 0)
+    saved = 0
+    if steps:
+        layers = list(zip(attention_windows(model), layer_kv_bytes(model, route.depends)))
+        saved = decode_bytes_not_reread(segments, steps, layers)
+    relay_state(model).counters.add(relay_steps=steps, relay_rows=steps * route.rows, kv_bytes_not_reread=saved)
 
 
 class RelayGenerate:

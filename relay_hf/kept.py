@@ -3,27 +3,27 @@
 Per prefix tree, its segments' KV is taken from the store where it was kept for the model as it is now, else
 prefilled and kept there (``RelayCache.from_tree``, ``prefill.prefill_tree``); a tree that took some counts one prefix
 hit in ``relay_hf.stats``; then the store is trimmed back to its budget, the call's own segments kept (the call holds
-them while it runs: ``PrefixStore.holding``).
+them while it runs: ``PrefixStore.holding``). A call may leave its kept segments' checks unread (``pending``) and read
+them once its own work is launched (``PrefixStore.settle``); it counts its hits then (``count_kept``), when it knows
+they were hits.
 """
 
 from __future__ import annotations
 
 from .cache import RelayCache
-from .policy import keep_reason
+from .policy import kept_dependencies
 from .prefill import segment_key
 from .prefix import PrefixTree
 from .state import relay_state
-from .store import PrefixKey, PrefixStore, kv_dependencies
+from .store import PrefixKey, PrefixStore
 
 
 def prefix_store(model) -> tuple[PrefixStore | None, object]:
     """``(store, depends)``: the model's prefix store and what its entries must have been built under
     (``store.kv_dependencies``, one walk of the model), when this call may read and keep prefixes there; ``(None,
-    None)`` when it may not (``policy.keep_reason``) or keeps nothing (budget 0)."""
-    store = relay_state(model).store
-    if store.budget_bytes == 0 or keep_reason(model) is not None:
-        return None, None
-    return store, kv_dependencies(model)
+    None)`` when it may not (``policy.keep_reason``) or keeps nothing (budget 0): ``policy.kept_dependencies``."""
+    depends = kept_dependencies(model)
+    return (None, None) if depends is None else (relay_state(model).store, depends)
 
 
 def tree_keys(tree: PrefixTree) -> list[PrefixKey]:
@@ -31,19 +31,27 @@ def tree_keys(tree: PrefixTree) -> list[PrefixKey]:
     return [segment_key(tree, j) for j in range(len(tree.ids))]
 
 
-def kept_caches(model, trees: list[PrefixTree], store: PrefixStore | None,
-                depends: object) -> tuple[list[RelayCache], list[PrefixKey]]:
+def kept_caches(model, trees: list[PrefixTree], store: PrefixStore | None, depends: object,
+                pending: list | None = None) -> tuple[list[RelayCache], list[PrefixKey]]:
     """One ``RelayCache`` per tree, taken from ``store`` where kept (``prefix_store``'s answer; ``None``: prefilled,
-    nothing kept), a prefix hit counted per tree that took kept tokens (``RelayCache.kept_tokens``); then the least
-    recently used entries are dropped down to the store's budget, the trees' own segments excepted. Returns the caches
-    and those segments' keys (for the call to hold while it runs)."""
+    nothing kept), a prefix hit counted per tree that took kept tokens (``count_kept``); then the least recently used
+    entries are dropped down to the store's budget, the trees' own segments excepted. Returns the caches and those
+    segments' keys (for the call to hold while it runs). ``pending`` (a list): the kept segments' checks are left
+    unread there (``prefill.prefill_tree``) and no hit is counted: the caller reads them (``PrefixStore.settle``),
+    then counts."""
     caches, keys = [], []
     for tree in trees:
-        cache = RelayCache.from_tree(model, tree, store, depends)
-        if cache.kept_tokens:
-            relay_state(model).counters.add(prefix_hits=1, prefill_tokens_saved=cache.kept_tokens)
-        caches.append(cache)
+        caches.append(RelayCache.from_tree(model, tree, store, depends, pending))
         keys += tree_keys(tree)
+    if pending is None:
+        count_kept(model, caches)
     if store is not None:
         store.trim(keep=keys)  # what no call holds goes now, not after the call (its memory is the call's)
     return caches, keys
+
+
+def count_kept(model, caches: list[RelayCache]) -> None:
+    """One prefix hit in ``relay_hf.stats`` per cache that took kept tokens (``RelayCache.kept_tokens``)."""
+    for cache in caches:
+        if cache.kept_tokens:
+            relay_state(model).counters.add(prefix_hits=1, prefill_tokens_saved=cache.kept_tokens)

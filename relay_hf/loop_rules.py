@@ -86,16 +86,17 @@ def compile_config(model, gen: GenerationConfig) -> CompileConfig | None:
 
 
 def static_shape(model, gen: GenerationConfig, cache: RelayCache | None, grouping: Grouping,
-                 fast: bool) -> tuple[bool, CompileConfig | None]:
+                 fast: bool, depends=None) -> tuple[bool, CompileConfig | None]:
     """``(static, compile_config)``: whether the call runs on a static ``RelayCache``, and the inductor config its
-    decode step compiles with (``None``: eager, captured as CUDA graphs on CUDA)."""
+    decode step compiles with (``None``: eager, captured as CUDA graphs on CUDA). ``depends``: the call's
+    ``store.kv_dependencies``, if it took them (``prefill.layer_windows`` reads its walk)."""
     asked_static = gen.cache_implementation == "static" or gen.compile_config is not None
     # attention reads through PrefixGroups tables: several prefixes, or sliding-window layers that store only what
     # their window sees (each row's positions then come from the tables)
     if cache is not None:
         trimmed = any(lay.window is not None for lay in cache.layers)
     else:
-        trimmed = any(trim_window(w, grouping.tree.lengths) is not None for w in layer_windows(model))
+        trimmed = any(trim_window(w, grouping.tree.lengths) is not None for w in layer_windows(model, depends))
     tables = not grouping.single or trimmed
     # a static RelayCache for relay_hf's loop, and for transformers' loop when the call asks for one (without tables:
     # transformers' compiled loop would bake one call's tables into its graphs)

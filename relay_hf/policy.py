@@ -1,4 +1,5 @@
 """Every relay-or-stock rule in one place: ``decide(model, call)`` returns one frozen ``Route`` per ``generate`` call.
+Long because it is that one place: the rules read together, in the order ``decide`` asks them.
 
 The rules, in the order they are checked:
 
@@ -14,10 +15,11 @@ The rules, in the order they are checked:
    chooses) where it reproduces stock token for token, else transformers' loop: on a static ``RelayCache`` when the
    call asks for one (``cache_implementation="static"``), else on a dynamic one (``loop_rules.py``).
 
-The route only says what runs: what a call reads from the prefix store is taken when it runs (``kept.py``), and
-relay_hf's loop builds its ``sampling.Sampler`` from the processors judged here. Stock routes carry ``expected``:
-``False`` where the user would have gained from relay (``generate`` then warns once per reason through the
-``relay_hf`` logger); ``True`` for the ordinary cases (one row, a short prefix, not patched).
+The route only says what runs: what a call reads from the prefix store is taken when it runs (``kept.py``), under
+the model's structure as read here once (``Route.depends``, ``kept_dependencies``: the one walk of the model a call
+makes), and relay_hf's loop builds its ``sampling.Sampler`` from the processors judged here. Stock routes carry
+``expected``: ``False`` where the user would have gained from relay (``generate`` then warns once per reason through
+the ``relay_hf`` logger); ``True`` for the ordinary cases (one row, a short prefix, not patched).
 """
 
 from __future__ import annotations
@@ -47,6 +49,7 @@ from .sampling import LoopProcessors, loop_processors
 from .state import relay_state
 from .stats import head_shape, head_shapes
 from .step import DEFAULT_DECODE
+from .store import Dependencies, kv_dependencies
 from .suffix_prefill import recorded_length
 
 # rows * prefix tokens below which the CUDA relay kernel is not measured to beat SDPA over the expanded prefix
@@ -116,7 +119,8 @@ class Route:
             left pads; ``user_cache``: the caller's ``RelayCache`` (never mutated); ``grouping``: what the rows
             share (the tree to prefill, or the caller's cache's, and each input row's path in it); ``gen``: the
             resolved config; ``processors``: stock's processors relay_hf's loop reproduces
-            (``sampling.loop_processors``), from which the loop builds its sampler.
+            (``sampling.loop_processors``), from which the loop builds its sampler; ``depends``: what the prefixes
+            it keeps depend on (``kept_dependencies``, ``None`` where the call keeps none).
     """
 
     relay: bool
@@ -140,6 +144,7 @@ class Route:
     gen: GenerationConfig | None = field(default=None, repr=False)
     compile_config: CompileConfig | None = field(default=None, repr=False)
     processors: LoopProcessors | None = field(default=None, repr=False)
+    depends: Dependencies | None = field(default=None, repr=False)
 
     @property
     def grouped(self) -> bool:
@@ -264,6 +269,14 @@ def flash_fit_reason(model, cb_config) -> str | None:
     if value_dim != head_dim:
         return f"relay's flash kernel reads values of the keys' head size (keys {head_dim}, values {value_dim})"
     return check_reason(model.device, model.dtype, heads, kv_heads, head_dim)
+
+
+def kept_dependencies(model) -> Dependencies | None:
+    """``store.kv_dependencies(model)`` (one walk of the model) when a call may read and keep prefixes in the model's
+    prefix store now (a budget, and no ``keep_reason``), else ``None``."""
+    if relay_state(model).store.budget_bytes == 0 or keep_reason(model) is not None:
+        return None
+    return kv_dependencies(model)
 
 
 def keep_reason(model) -> str | None:
@@ -405,7 +418,8 @@ def _decide(model, call: dict) -> Route:
     why = rope_reason(model, grouping, T, n_pad, n_new)
     if why is not None:
         raise RunStock(why)
-    static, compiled = static_shape(model, gen, cache, grouping, fast)
+    depends = kept_dependencies(model) if cache is None else None  # the call's one walk of the model
+    static, compiled = static_shape(model, gen, cache, grouping, fast, depends)
     capacity = suffix = 0
     if static:  # rounded up so similar calls reuse one captured step
         suffix = max(T - int(n) - p for n, p in zip(n_pad.tolist(), prefix_lengths))
@@ -417,7 +431,7 @@ def _decide(model, call: dict) -> Route:
                  decode_step=decode_step(model, gen, fast, compiled), new_tokens=n_new, static_capacity=capacity,
                  static_rows=DEFAULT_DECODE.bucket(rows) if fast else rows, suffix_columns=suffix, ids=ids, mask=mask,
                  n_pad=n_pad, user_cache=cache, grouping=grouping, gen=gen, compile_config=compiled,
-                 processors=processors)
+                 processors=processors, depends=depends)
 
 
 def eligible(model, call: dict) -> None:

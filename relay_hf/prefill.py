@@ -18,7 +18,7 @@ from ._compat import cache_kwarg_name
 from .freshness import SegmentCheck
 from .kernels.groups import window_kept
 from .prefix import PrefixTree
-from .store import PrefixKey
+from .store import PrefixKey, indexed_modules
 
 # a sliding-window layer stores only what its window sees where that keeps at most this share of the prefix tokens
 # (below, its memory saving does not pay for reading the prefix through work tables)
@@ -82,13 +82,15 @@ def segment_nbytes(kept: KeptSegment) -> int:
 
 
 @torch.no_grad()
-def prefill_tree(model, tree: PrefixTree, store=None, depends=None) -> Prefilled:
+def prefill_tree(model, tree: PrefixTree, store=None, depends=None, pending: list | None = None) -> Prefilled:
     """Prefill the segments of ``tree`` (roots at position 0, each child after its parent's KV) at batch 1.
 
     ``store`` (a ``store.PrefixStore`` of ``KeptSegment``s, with the model's ``kv_dependencies`` as ``depends``):
     each segment's KV is taken from it where kept and its check holds for the model as it is now (a system prompt
     kept from an earlier call; a new document under it then prefills alone, after the kept prompt's KV), else
-    prefilled and kept there.
+    prefilled and kept there. ``pending`` (a list): a kept segment's check is launched, not read
+    (``SegmentCheck.verdict``): its verdict goes there for the caller to read (``PrefixStore.settle``) once it has
+    launched its own work; read here before any segment is prefilled (none is built on a stale one's KV).
     """
     text_config = model.config.get_text_config(decoder=True)
     max_pos = getattr(text_config, "max_position_embeddings", None)
@@ -113,10 +115,13 @@ def prefill_tree(model, tree: PrefixTree, store=None, depends=None) -> Prefilled
     memo: dict = {"partial_params": getattr(depends, "partial", None)}
 
     def build(j: int) -> KeptSegment:
+        if pending:  # a kept segment not known fresh yet: StaleKept before anything is built on its KV
+            store.settle(pending)
         return KeptSegment(prefill(j), SegmentCheck.record(model, tree.full_ids(j), tree.ids[j], memo))
 
-    def fresh(entry: KeptSegment, j: int) -> bool:
-        return entry.check.holds(model, tree.full_ids(j), tree.ids[j], memo)
+    def fresh(entry: KeptSegment, j: int) -> torch.Tensor | bool:
+        verdict = entry.check.verdict(model, tree.full_ids(j), memo)
+        return verdict if pending is not None else bool(verdict)
 
     for j in sorted(range(len(tree.ids)), key=lambda j: len(tree.path(j))):  # parents first
         if store is None:
@@ -124,11 +129,11 @@ def prefill_tree(model, tree: PrefixTree, store=None, depends=None) -> Prefilled
             continue
         built = []  # whether this call's lookup prefilled it (the store's counters are shared with other threads)
         states[j] = store.get(segment_key(tree, j), depends, lambda j=j, built=built: built.append(j) or build(j),
-                              lambda entry, j=j: fresh(entry, j)).states
+                              lambda entry, j=j: fresh(entry, j), pending).states
         kept += 0 if built else tree.lengths[j]
     # a sliding-window layer keeps of each segment only what a query after it can see (its last window - 1
     # tokens), where that saves enough; every other layer keeps it all
-    windows = [trim_window(w, tree.lengths) for w in layer_windows(model)]
+    windows = [trim_window(w, tree.lengths) for w in layer_windows(model, depends)]
     kv = []
     for i, window in enumerate(windows):
         parts = []
@@ -166,16 +171,16 @@ def trim_window(window: int | None, lengths) -> int | None:
     return window if sum(window_kept(lengths, window)) <= TRIM_AT_MOST * sum(lengths) else None
 
 
-def layer_windows(model) -> list[int | None]:
+def layer_windows(model, depends=None) -> list[int | None]:
     """Per layer, the sliding window its attention module states as its own (``module.sliding_window``, set per
     layer by Gemma 2/3, gpt-oss, Qwen2/3, ...), or ``None``: a model that passes its window from the config at call
-    time keeps every layer whole (exact either way: the kernels apply the window; trimming only saves memory)."""
+    time keeps every layer whole (exact either way: the kernels apply the window; trimming only saves memory).
+    ``depends``: the call's ``store.kv_dependencies``, whose walk found the modules naming their layer (else they are
+    found here)."""
     n_layers = model.config.get_text_config(decoder=True).num_hidden_layers
     found: dict[int, set] = {}
-    for module in model.modules():  # the instance's own attributes: a miss through nn.Module's getattr raises inside
-        own = vars(module)
-        index = own.get("layer_idx")
-        if isinstance(index, int) and "sliding_window" in own:
+    for index, own in indexed_modules(model) if depends is None else depends.indexed:
+        if "sliding_window" in own:
             found.setdefault(index, set()).add(own["sliding_window"])
     out = []
     for i in range(n_layers):

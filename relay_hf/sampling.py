@@ -108,18 +108,18 @@ def loop_sampler(model, gen: GenerationConfig, ids: torch.Tensor, processors: Lo
         penalty = processors.penalty.penalty
         ones = torch.ones(ids.shape[0], vocab, device=ids.device)
         seen = processors.penalty(ids, ones) != 1  # [B, V] what stock penalises
-    eos = None
+    eos, eos_list = None, None
     if gen.eos_token_id is not None:
-        eos_ids = torch.tensor(gen.eos_token_id, device=model.device).reshape(-1)
+        eos_list = torch.tensor(gen.eos_token_id).reshape(-1).tolist()  # on the host: the key reads no device value
+        eos_ids = torch.tensor(eos_list, device=model.device)
         # isin, as stock's processors and criterion match: an id outside the vocabulary never matches
         eos = eos_ids, torch.isin(torch.arange(vocab, device=model.device), eos_ids)
     # stock's _prepare_generated_length: min_new_tokens, when set, replaces min_length (as min_new_tokens + T)
     min_k = gen.min_new_tokens if gen.min_new_tokens is not None else max(0, (gen.min_length or 0) - ids.shape[1])
-    pad = gen.pad_token_id if gen.pad_token_id is not None else int(eos[0][0]) if eos is not None else 0
+    pad = gen.pad_token_id if gen.pad_token_id is not None else eos_list[0] if eos is not None else 0
     sample = bool(gen.do_sample)
     warpers = processors.warpers
-    key = (sample, tuple(_settings(w) for w in warpers), penalty,
-           None if eos is None else tuple(eos[0].tolist()), int(pad))
+    key = (sample, tuple(_settings(w) for w in warpers), penalty, None if eos is None else tuple(eos_list), int(pad))
     return Sampler(sample, warpers, penalty, seen, eos, min_k, int(pad), key)
 
 

@@ -13,6 +13,7 @@ import torch
 
 from .counters import RelayStats
 from .state import relay_state
+from .store import indexed_modules
 
 
 def head_shape(text) -> tuple[int, int, int, int]:
@@ -30,19 +31,19 @@ def head_shapes(text) -> set[tuple[int, int, int, int]]:
     return {head_shape(layer) for layer in per_layer} if per_layer is not None else {head_shape(text)}
 
 
-def layer_kv_bytes(model) -> list[int]:
+def layer_kv_bytes(model, depends=None) -> list[int]:
     """Per decoder layer (``[num_hidden_layers]`` of the text config), the bytes of one token's keys and values in
     the model's dtype: from the layer's attention module (the one whose ``layer_idx`` names the layer) and its key
     and value projections, so per-layer head counts and dims (Gemma 4's) count as they are; from the text config
-    (the same for every layer) when not every layer has exactly one such module."""
+    (the same for every layer) when not every layer has exactly one such module. ``depends``: the call's
+    ``store.kv_dependencies``, whose walk found the modules naming their layer (else they are found here)."""
     text = model.config.get_text_config(decoder=True)
     layers = getattr(text, "num_hidden_layers", 1)
     itemsize = model.dtype.itemsize
     found: dict[int, list[int]] = {}
-    for m in model.modules():  # own attributes and submodules: a miss through nn.Module's getattr raises inside
-        index, k, v = vars(m).get("layer_idx"), m._modules.get("k_proj"), m._modules.get("v_proj")
-        if (isinstance(index, int) and 0 <= index < layers and isinstance(k, torch.nn.Linear)
-                and isinstance(v, torch.nn.Linear)):
+    for index, own in indexed_modules(model) if depends is None else depends.indexed:
+        k, v = own["_modules"].get("k_proj"), own["_modules"].get("v_proj")
+        if 0 <= index < layers and isinstance(k, torch.nn.Linear) and isinstance(v, torch.nn.Linear):
             found.setdefault(index, []).append((k.out_features + v.out_features) * itemsize)
     if all(len(found.get(i, ())) == 1 for i in range(layers)):
         return [found[i][0] for i in range(layers)]

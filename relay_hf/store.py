@@ -3,7 +3,8 @@
 A prefix's KV is a function of its token ids and of the model as it is at prefill time. Two checks stand between a
 kept prefix and a model that has changed since (docs/api.md, "Kept prefixes", states the guarantee):
 
-- ``kv_dependencies(model)``, read once per call: the model's structure as one comparable value: each parameter's and
+- ``kv_dependencies(model)``, read once per call (one walk, which also finds what the call reads per layer:
+  ``Dependencies.indexed``): the model's structure as one comparable value: each parameter's and
   buffer's identity, address, dtype, device and shape, each parameter's version counter (an in-place write through
   autograd, an optimizer step, ``load_state_dict``, ``model.to``), each module's type, training flag, adapter
   switches, hooks, forward replaced on the instance, plain values and dicts of plain values (a rotary
@@ -11,7 +12,9 @@ kept prefix and a model that has changed since (docs/api.md, "Kept prefixes", st
   drops every entry built under another value before it answers.
 - on every hit, the entry's own check (``freshness.SegmentCheck``): what it recomputes through the model as it is now
   must equal, bit for bit, what it recorded when the entry was built: it is there for what no counter sees (a write
-  through ``.data``, into raw storage); docs/api.md says which of those it catches.
+  through ``.data``, into raw storage); docs/api.md says which of those it catches. Read at once, or by a caller that
+  launches its own work first (``get(..., pending=...)``) when it reads it (``settle``), throwing that work away
+  (``StaleKept``) when it failed.
 
 The store itself knows nothing of models (testable on its own): entries are keyed by a hashable key (a
 ``PrefixKey``: where a prefix segment starts and its full prefix's token ids), built on a miss by the caller's
@@ -33,27 +36,34 @@ import torch
 from .freshness import local_shard, reached_partly
 
 
-def _tensors_signature(path: str, own: dict, seen: set, partial: dict, out: list) -> None:
-    """Appends to ``out``, per parameter of the module whose ``__dict__`` is ``own`` (not seen before): its name,
-    identity, address, dtype, device, shape and version counter (a tensor's ``_version`` goes up at every in-place
-    write made through it: optimizer steps, ``load_state_dict``, ``torch.no_grad()`` edits); per buffer the same but
-    its version (a rotary table the model rewrites at each forward, as dynamic and longrope embeddings do, would drop
-    every kept prefix; a hit's check reads what buffers hold). Host metadata only: no device read. Stacked parameters
-    (3+ dims: experts) go into ``partial``."""
-    for kind, tensors in ((0, own["_parameters"]), (1, own["_buffers"])):
-        for name, t in tensors.items():
-            if t is None or id(t) in seen:
-                continue
-            seen.add(id(t))
-            local = local_shard(t)
-            out.append((path, name, id(t), local.data_ptr(), t.dtype, t.device, tuple(t.shape),
-                        None if kind else local._version))
-            if not kind and t.dim() >= 3:
-                partial[id(t)] = t
+def _tensors_signature(path: str, params: dict, buffers: dict, seen: set, partial: dict, out: list) -> None:
+    """Appends to ``out``, per parameter of one module (``params`` / ``buffers``: its own, not seen before): its
+    name, identity, address, dtype, device, shape and version counter (a tensor's ``_version`` goes up at every
+    in-place write made through it: optimizer steps, ``load_state_dict``, ``torch.no_grad()`` edits); per buffer the
+    same but its version (a rotary table the model rewrites at each forward, as dynamic and longrope embeddings do,
+    would drop every kept prefix; a hit's check reads what buffers hold). Host metadata only: no device read. Stacked
+    parameters (3+ dims: experts) go into ``partial``."""
+    for name, t in params.items():
+        if t is None or id(t) in seen:
+            continue
+        seen.add(id(t))
+        local = t if type(t) in _PLAIN_TENSORS else local_shard(t)
+        shape = tuple(t.shape)
+        out.append((path, name, id(t), local.data_ptr(), t.dtype, t.device, shape, local._version))
+        if len(shape) >= 3:
+            partial[id(t)] = t
+    for name, t in buffers.items():
+        if t is None or id(t) in seen:
+            continue
+        seen.add(id(t))
+        local = t if type(t) in _PLAIN_TENSORS else local_shard(t)
+        out.append((path, name, id(t), local.data_ptr(), t.dtype, t.device, tuple(t.shape), None))
 
 
+_PLAIN_TENSORS = frozenset((torch.Tensor, torch.nn.Parameter))  # exact types with no shard to ask for (no getattr)
 _SCALARS = frozenset((bool, int, float, str, type(None)))  # exact types: no ``__class__`` lookups on other values
 _ADAPTER_SWITCHES = ("_disable_adapters", "_active_adapter", "merged_adapters")
+_SWITCH_NAMES = frozenset(_ADAPTER_SWITCHES)
 
 
 def _hooks(hooks: dict) -> tuple:
@@ -75,14 +85,25 @@ def _class_switches(cls: type) -> tuple[str, ...]:
     return tuple(a for a in _ADAPTER_SWITCHES if hasattr(cls, a))
 
 
-def _modules_signature(model: torch.nn.Module, partial: dict) -> tuple:
+def _adapters(m: torch.nn.Module, own: dict) -> tuple:
+    """The adapter switches of ``m`` (``own``: its ``__dict__``) as strings, those its class declares and those set on
+    the instance; ``()`` for a module with neither (most: two lookups)."""
+    declared = _class_switches(type(m))
+    if not declared and own.keys().isdisjoint(_SWITCH_NAMES):
+        return ()
+    switches = [a for a in declared if a not in own] + [a for a in _ADAPTER_SWITCHES if a in own]
+    return tuple(str(getattr(m, a, None)) for a in switches)
+
+
+def _modules_signature(model: torch.nn.Module, partial: dict, indexed: list) -> tuple:
     """In one walk (every module once, parents first: ``named_modules``' order, without its nested generators, as
     the walk runs at every call), the parameters and buffers (``_tensors_signature``) and per module: its type,
     training flag, adapter switches (PEFT's ``disable_adapters`` / ``active_adapters`` / ``merged_adapters``, where a
     module has them), the forward hooks on it (activation steering changes the KV), a ``forward`` replaced on the
     instance, and the plain values its forward may read (``scaling``, a rotary ``attention_scaling``, a dict of
     adapter scales...); and torch's global forward hooks. The parameters of modules only some tokens reach
-    (``freshness.reached_partly``) go into ``partial``."""
+    (``freshness.reached_partly``) go into ``partial``; ``(layer_idx, __dict__)`` of each module whose own
+    ``layer_idx`` is an int into ``indexed`` (what ``prefill.layer_windows`` and ``stats.layer_kv_bytes`` read)."""
     out, tensors, seen, walked = [], [], set(), set()
     inputs = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
     stack = [("", model)]
@@ -94,17 +115,21 @@ def _modules_signature(model: torch.nn.Module, partial: dict) -> tuple:
         own = m.__dict__
         children = own["_modules"]
         if children:
-            stack.extend((f"{path}.{k}" if path else f"{k}", c) for k, c in reversed(children.items()) if c is not None)
-        _tensors_signature(path, own, seen, partial, tensors)
+            at = f"{path}." if path else ""
+            stack.extend([(f"{at}{k}", c) for k, c in reversed(children.items()) if c is not None])
+        if own["_parameters"] or own["_buffers"]:
+            _tensors_signature(path, own["_parameters"], own["_buffers"], seen, partial, tensors)
         if reached_partly(m, inputs):
             partial.update((id(p), p) for p in m.parameters())
-        switches = [a for a in _class_switches(type(m)) if a not in own] + [a for a in _ADAPTER_SWITCHES if a in own]
-        adapters = tuple(str(getattr(m, a, None)) for a in switches) if switches else ()
-        plain = tuple((k, tuple(sorted(v.items(), key=repr)) if type(v) is dict else v)
-                      for k, v in own.items()
-                      if k[0] != "_" and not k.startswith("relay_") and _plain(v))  # relay_hf's own: not read
+        index = own.get("layer_idx")
+        if isinstance(index, int):
+            indexed.append((index, own))
+        plain = tuple([(k, tuple(sorted(v.items(), key=repr)) if type(v) is dict else v)
+                       for k, v in own.items()
+                       if k[0] != "_" and (type(v) in _SCALARS or _plain(v))
+                       and not k.startswith("relay_")])  # relay_hf's own: not read
         forward = own.get("forward")
-        out.append((path, type(m), m.training, adapters, _hooks(own["_forward_hooks"]),
+        out.append((path, type(m), m.training, _adapters(m, own), _hooks(own["_forward_hooks"]),
                     _hooks(own["_forward_pre_hooks"]), plain, None if forward is None else id(forward)))
     from torch.nn.modules import module as torch_module
 
@@ -114,13 +139,15 @@ def _modules_signature(model: torch.nn.Module, partial: dict) -> tuple:
 
 class Dependencies:
     """What ``kv_dependencies`` returns: compared (``==``) by ``signature`` alone, the model's structure as one
-    value; ``partial`` carries the parameters only some tokens reach, found in the same walk, for a hit's check."""
+    value. Found in the same walk, for the call that took it: ``partial``, the parameters only some tokens reach (a
+    hit's check reads them), and ``indexed``, ``(layer_idx, __dict__)`` of the modules naming their layer (so the
+    call reads per-layer windows and KV sizes without walking the model again)."""
 
-    __slots__ = ("signature", "partial")
+    __slots__ = ("signature", "partial", "indexed")
     __hash__ = None
 
-    def __init__(self, signature: tuple, partial: list[torch.Tensor]):
-        self.signature, self.partial = signature, partial
+    def __init__(self, signature: tuple, partial: list[torch.Tensor], indexed: tuple = ()):
+        self.signature, self.partial, self.indexed = signature, partial, indexed
 
     def __eq__(self, other) -> bool:
         return isinstance(other, Dependencies) and self.signature == other.signature
@@ -134,8 +161,33 @@ def kv_dependencies(model: torch.nn.Module) -> Dependencies:
 
     config = getattr(model, "config", None)
     partial: dict[int, torch.Tensor] = {}
-    signature = (attn_implementation(config) if config is not None else None, _modules_signature(model, partial))
-    return Dependencies(signature, list(partial.values()))
+    indexed: list[tuple[int, dict]] = []
+    signature = (attn_implementation(config) if config is not None else None,
+                 _modules_signature(model, partial, indexed))
+    return Dependencies(signature, list(partial.values()), tuple(indexed))
+
+
+def indexed_modules(model: torch.nn.Module) -> list[tuple[int, dict]]:
+    """``(layer_idx, __dict__)`` of every module of ``model`` (once each) whose own ``layer_idx`` is an int: what
+    ``Dependencies.indexed`` holds, for a caller without one. The instance's own attributes: a miss through
+    ``nn.Module``'s ``__getattr__`` raises inside."""
+    found, walked, stack = [], set(), [model]
+    while stack:
+        m = stack.pop()
+        if id(m) in walked:
+            continue
+        walked.add(id(m))
+        own = m.__dict__
+        index = own.get("layer_idx")
+        if isinstance(index, int):
+            found.append((index, own))
+        stack.extend([c for c in own["_modules"].values() if c is not None])
+    return found
+
+
+class StaleKept(Exception):
+    """A kept segment a call read before its check's verdict failed that check (``PrefixStore.settle``): the call
+    throws away what it computed from it and runs again."""
 
 
 def checked_budget(value) -> int:
@@ -247,27 +299,50 @@ class PrefixStore:
             return sum(self._entries[k][1] for k in self._pinned if k in self._entries)
 
     def get(self, key: Hashable, depends: object, build: Callable[[], object],
-            fresh: Callable[[object], bool] | None = None) -> object:
+            fresh: Callable[[object], object] | None = None, pending: list | None = None) -> object:
         """The value kept for ``key``, or ``build()``'s (then kept). Entries built under other ``depends`` than
         these are dropped first: they belong to a model that has changed since; so is a kept value for which
-        ``fresh(value)`` is false (``stale`` counts those)."""
+        ``fresh(value)`` is false (``stale`` counts those), unless it answers with a verdict not read yet (not a
+        ``bool``: a device tensor) and ``pending`` is given: then the value is served, ``(key, value, verdict)``
+        appended there for ``settle``."""
         with self._lock:
             self._check(depends)
             entry = self._entries.get(key)
-            if entry is not None and fresh is not None and not fresh(entry[0]):
-                del self._entries[key]
-                self._packed = None
-                self.stale += 1
-                entry = None
+            if entry is not None and fresh is not None:
+                verdict = fresh(entry[0])
+                if pending is not None and not isinstance(verdict, bool):
+                    pending.append((key, entry[0], verdict))
+                elif not verdict:
+                    self._drop_stale(key)
+                    entry = None
             if entry is None:
-                self.misses += 1
                 value = build()
+                self.misses += 1  # (after: a build that raises builds nothing)
                 entry = (value, self._nbytes(value))
             else:
                 self.hits += 1
             self._entries[key] = entry
             self._entries.move_to_end(key)
             return entry[0]
+
+    def settle(self, pending: list) -> None:
+        """Read the verdicts ``get`` left in ``pending`` (the host waits for the device once), and empty it. An entry
+        whose check failed is dropped as ``get`` drops a stale one, its hit uncounted, then ``StaleKept``."""
+        failed = [(key, value) for key, value, verdict in pending if not bool(verdict)]
+        pending.clear()
+        if failed:
+            with self._lock:
+                for key, value in failed:
+                    self.hits -= 1
+                    entry = self._entries.get(key)
+                    if entry is not None and entry[0] is value:  # (else another call dropped it first, counted)
+                        self._drop_stale(key)
+            raise StaleKept(f"{len(failed)} kept prefix segment(s) failed their check")
+
+    def _drop_stale(self, key: Hashable) -> None:
+        del self._entries[key]
+        self._packed = None
+        self.stale += 1
 
     def _check(self, depends: object) -> None:
         if self._entries and self._depends != depends:

@@ -40,7 +40,7 @@ def test_an_unchanged_model_passes_its_check():
     check = _record(model)
     with torch.no_grad():
         model(IDS[None])  # reading the model changes nothing
-    assert check.holds(model, IDS, IDS[CHECK_TOKENS:])
+    assert check.holds(model, IDS)
 
 
 @pytest.mark.parametrize("change", CHANGES, ids=lambda f: f.__name__.strip("_"))
@@ -50,7 +50,22 @@ def test_a_change_anywhere_fails_the_check(change):
     versions = [p._version for p in model.parameters()]
     change(model)
     assert [p._version for p in model.parameters()] == versions  # no counter saw it
-    assert not check.holds(model, IDS, IDS[CHECK_TOKENS:])
+    assert not check.holds(model, IDS)
+
+
+def test_a_verdict_is_computed_unread_and_agrees_with_holds():
+    """``verdict`` leaves its answer on the model's device (a 0-dim bool tensor: a caller launches more work before it
+    reads it) and reads the segment's own ids from the device copy the check holds (nothing copied to the device on a
+    hit); ``holds`` reads the same answer."""
+    model = tiny_model("llama")
+    check = _record(model)
+    assert check.own.device == model.device and torch.equal(check.own, IDS[CHECK_TOKENS:])
+    verdict = check.verdict(model, IDS)
+    assert isinstance(verdict, torch.Tensor) and verdict.shape == () and verdict.dtype == torch.bool
+    assert bool(verdict) and check.holds(model, IDS)
+    _embedding_row_of_a_later_token(model)  # what only the own ids' embeddings see
+    verdict = check.verdict(model, IDS)
+    assert isinstance(verdict, torch.Tensor) and not bool(verdict) and not check.holds(model, IDS)
 
 
 def test_experts_the_head_tokens_are_not_routed_to_are_read_in_full():
@@ -64,7 +79,7 @@ def test_experts_the_head_tokens_are_not_routed_to_are_read_in_full():
     check = SegmentCheck.record(model, ids, ids)
     last = [p for n, p in model.named_parameters() if "experts" in n][-1]
     last.data.view(-1)[-1] += 1.0  # whichever expert it is, the check sees it
-    assert not check.holds(model, ids, ids)
+    assert not check.holds(model, ids)
 
 
 def test_a_learned_position_table_is_read_in_full():
@@ -88,7 +103,7 @@ def test_bit_sums_see_a_swap_and_a_sign_change():
 def test_on_cuda_the_check_replays_a_graph_that_sees_every_change_on_gpu(change):
     model = tiny_model("llama").cuda()
     check = _record(model)
-    assert check.holds(model, IDS, IDS[CHECK_TOKENS:]) and check.holds(model, IDS, IDS[CHECK_TOKENS:])
+    assert check.holds(model, IDS) and check.holds(model, IDS)
     assert check.replay.graph is not None and not check.replay.eager  # captured, replayed
     change(model)
-    assert not check.holds(model, IDS, IDS[CHECK_TOKENS:])
+    assert not check.holds(model, IDS)

@@ -283,3 +283,94 @@ def test_int32_ids_find_the_prompt_int64_ids_kept(model, prompt):
     out = model.generate(ids32.to(torch.int32), attention_mask=mask32, **GEN)
     assert model.relay_last_decision.prefix_kept == 48
     assert torch.equal(out, stock(model, ids32.to(torch.int32), mask32))
+
+
+class _Recorder:
+    """A streamer that keeps what it is given."""
+
+    def __init__(self):
+        self.puts, self.ends = [], 0
+
+    def put(self, value):
+        self.puts.append(value.clone())
+
+    def end(self):
+        self.ends += 1
+
+
+@pytest.fixture
+def looped():
+    """A patched model decoding on relay_hf's loop (``decode="graph"``), where a kept prompt's check is read only
+    once the call's own prefill is launched."""
+    m = tiny_model("llama", seed=1)
+    relay_hf.patch(m, decode="graph")
+    yield m
+    relay_hf.unpatch(m)
+
+
+@pytest.mark.parametrize("sample", [False, True], ids=["greedy", "sampling"])
+def test_a_check_read_after_the_prefill_that_failed_runs_the_turn_again(looped, prompt, sample, monkeypatch):
+    """A chat turn under a kept prompt whose check fails (a write no counter sees): what the turn computed on the
+    stale KV is thrown away and it runs as a failed check runs: the prompt prefilled again, stock's tokens (a sampled
+    turn draws what stock draws, and leaves the generator where stock leaves it), the streamer fed once, the entry
+    counted stale and no prefix hit; the prompt prefilled again serves the next turn."""
+    ids, mask = batch(prompt, 1)
+    looped.generate(ids, attention_mask=mask, **GEN)  # a batch keeps the prompt
+    store = relay_state(looped).store
+    own = torch.randint(3, VOCAB, (7,), generator=torch.Generator().manual_seed(9))
+    row = torch.cat([prompt, own])[None]
+    gen = dict(max_new_tokens=6, do_sample=sample, **(dict(top_k=20) if sample else {}))
+    _write_raw_storage(looped)
+    read = []  # the verdicts each read found waiting: the turn's check was left unread until its loop read it
+    settle = type(store).settle
+    monkeypatch.setattr(type(store), "settle", lambda self, pending: read.append(len(pending)) or settle(self, pending))
+    runs = []
+    for run in (lambda **kw: looped.generate(row, attention_mask=torch.ones_like(row), **kw),
+                lambda **kw: type(looped).generate(looped, input_ids=row, attention_mask=torch.ones_like(row), **kw)):
+        streamer = _Recorder()
+        torch.manual_seed(5)
+        out = run(streamer=streamer, **gen)
+        runs.append((out, torch.rand(3), streamer))
+        if len(runs) == 1:
+            decision = looped.relay_last_decision
+    (out, draw, streamer), (want, want_draw, want_streamer) = runs
+    assert decision.used and decision.fast_decode and decision.prefix_kept == 0 and read[0] == 1
+    assert torch.equal(out, want) and torch.equal(draw, want_draw)
+    assert streamer.ends == want_streamer.ends == 1 and len(streamer.puts) == len(want_streamer.puts)
+    assert all(torch.equal(a, b) for a, b in zip(streamer.puts, want_streamer.puts, strict=True))
+    assert store.stale == 1 and (store.hits, store.misses) == (0, 2)
+    assert relay_hf.stats(looped).prefix_hits == 0
+    out = looped.generate(row, attention_mask=torch.ones_like(row), max_new_tokens=6, do_sample=False)
+    assert looped.relay_last_decision.prefix_kept == 48 and relay_hf.stats(looped).prefix_hits == 1
+    assert torch.equal(out, type(looped).generate(looped, input_ids=row, attention_mask=torch.ones_like(row),
+                                                   max_new_tokens=6, do_sample=False))
+
+
+def test_a_check_read_after_the_prefill_that_held_counts_one_hit(looped, prompt):
+    ids, mask = batch(prompt, 1)
+    looped.generate(ids, attention_mask=mask, **GEN)
+    row = torch.cat([prompt, torch.randint(3, VOCAB, (7,), generator=torch.Generator().manual_seed(9))])[None]
+    out = looped.generate(row, attention_mask=torch.ones_like(row), **GEN)
+    store = relay_state(looped).store
+    assert looped.relay_last_decision.fast_decode and looped.relay_last_decision.prefix_kept == 48
+    assert torch.equal(out, stock(looped, row, torch.ones_like(row)))
+    assert (store.hits, store.misses, store.stale) == (1, 1, 0) and relay_hf.stats(looped).prefix_hits == 1
+
+
+def test_a_document_is_never_prefilled_on_a_kept_prompt_whose_check_is_unread(looped, prompt):
+    """A new document under a kept prompt is prefilled after the prompt's KV: the prompt's check is read before that
+    prefill, so a stale prompt is prefilled again first and the document kept is computed on the fresh KV (a later
+    call that takes both from the store gives stock's tokens)."""
+    first = batch(prompt, 1)
+    looped.generate(first[0], attention_mask=first[1], **GEN)
+    _write_raw_storage(looped)
+    document = torch.randint(3, VOCAB, (40,), generator=torch.Generator().manual_seed(5))
+    ids, mask = batch(prompt, 3, own=(4, 2, 6, 3), document=document)
+    out = looped.generate(ids, attention_mask=mask, **GEN)
+    assert looped.relay_last_decision.used and looped.relay_last_decision.prefix_kept == 0
+    assert torch.equal(out, stock(looped, ids, mask))
+    store = relay_state(looped).store  # as a check read at once counts: one stale, the two segments prefilled
+    assert (store.hits, store.misses, store.stale) == (0, 3, 1)
+    ids, mask = batch(prompt, 6, own=(5, 3, 2, 4), document=document)
+    out = looped.generate(ids, attention_mask=mask, **GEN)
+    assert looped.relay_last_decision.prefix_kept == 48 + 40 and torch.equal(out, stock(looped, ids, mask))

@@ -6,7 +6,7 @@ import time
 import pytest
 import torch
 
-from relay_hf.store import PrefixKey, PrefixStore, kv_dependencies
+from relay_hf.store import PrefixKey, PrefixStore, StaleKept, kv_dependencies
 from tests.helpers import tiny_model
 
 
@@ -49,6 +49,34 @@ def test_kept_and_held_entries_outlive_the_budget_until_let_go():
         store.trim(keep=["b"])
         assert store.keys() == ["a", "b"]  # over budget while both are in use
     assert store.keys() == ["b"]  # a let go: the least recent out, b fits
+
+
+def test_a_verdict_left_unread_serves_the_value_until_settle_reads_it():
+    """With ``pending``, a hit whose check answers with an unread verdict (a tensor) is served at once; ``settle``
+    reads it: a check that held changes nothing, one that failed drops the entry as a failed check read at once does
+    (counted stale, its hit not counted) and raises ``StaleKept``. A ``bool`` verdict, or no ``pending``, is read
+    at once."""
+    store, built = _store(), []
+    store.get("a", 0, lambda: b"a" * 10)
+    held, failed = (lambda value: torch.tensor(True)), (lambda value: torch.tensor(False))
+    pending = []
+    assert store.get("a", 0, lambda: built.append(1) or b"new", held, pending) == b"a" * 10
+    store.settle(pending)
+    assert pending == [] and store.keys() == ["a"] and (store.hits, store.misses, store.stale) == (1, 1, 0)
+    assert store.get("a", 0, lambda: built.append(1) or b"new", failed, pending) == b"a" * 10  # served, unread
+    assert store.keys() == ["a"] and len(pending) == 1
+    with pytest.raises(StaleKept):
+        store.settle(pending)
+    assert pending == [] and store.keys() == [] and (store.hits, store.misses, store.stale) == (1, 1, 1)
+    store.get("a", 0, lambda: b"b" * 10)
+    assert store.get("a", 0, lambda: built.append(1) or b"new", lambda value: False, pending) == b"new"
+    assert store.get("a", 0, lambda: built.append(2) or b"newer", failed) == b"newer"  # no pending: read at once
+    assert built == [1, 2] and pending == [] and store.stale == 3
+    store.get("a", 0, lambda: b"", failed, pending)
+    store.get("a", 1, lambda: b"rebuilt")  # the model changed meanwhile: another call built it again
+    with pytest.raises(StaleKept):
+        store.settle(pending)
+    assert store.values() == [b"rebuilt"] and store.stale == 3  # the new entry stays; the old went uncounted
 
 
 def test_entries_built_under_other_dependencies_are_dropped():
@@ -141,6 +169,30 @@ def test_a_child_registered_under_a_non_string_key_is_walked_and_its_change_seen
     assert [entry[0] for entry in before.signature[1][0][:-1]] == ["", "0"]
     model._modules[0].train(False)
     assert kv_dependencies(model) != before
+
+
+def test_the_walk_finds_the_layers_windows_and_kv_sizes_a_walk_of_their_own_finds():
+    """A call reads per-layer windows and KV sizes from its ``kv_dependencies`` walk (``Dependencies.indexed``), not
+    from a walk of their own: the same answers; and after a change, the next call's walk sees it (the values are
+    the walk's, never kept across calls)."""
+    from relay_hf.prefill import layer_windows
+    from relay_hf.stats import layer_kv_bytes
+    from tests.helpers import tiny_model_of_type
+
+    model = tiny_model_of_type("gemma2")
+    depends = kv_dependencies(model)
+    assert layer_windows(model, depends) == layer_windows(model) and any(layer_windows(model))
+    sizes = layer_kv_bytes(model, depends)
+    assert sizes == layer_kv_bytes(model)
+    window = next(w for w in layer_windows(model) if w is not None)
+    attention = next(m for m in model.modules() if getattr(m, "sliding_window", None) == window)
+    attention.sliding_window = window + 1
+    again = kv_dependencies(model)
+    assert again != depends and window + 1 in layer_windows(model, again)
+    assert layer_windows(model, again) == layer_windows(model)
+    attention.k_proj = torch.nn.Linear(attention.k_proj.in_features, 2 * attention.k_proj.out_features, bias=False)
+    again = kv_dependencies(model)
+    assert again != depends and layer_kv_bytes(model, again) == layer_kv_bytes(model) != sizes
 
 
 def test_a_packing_is_kept_while_its_entries_are():

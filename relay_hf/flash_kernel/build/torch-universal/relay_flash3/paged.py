@@ -78,10 +78,10 @@ class Tiles:
     prefix_warps: int | None = None
     suffix_warps: int | None = None
     prefix_stages: int | None = None
-    suffix_stages: int | None = None
-    half_partials: bool = False
+    suffix_stages: int | None = 1
+    half_partials: bool = True
     suffix_merges: bool = True
-    overlap: bool = False
+    overlap: bool = True
 
     def rows_per_tile(self, q: torch.Tensor, k_cache: torch.Tensor) -> int:
         """Members of one prefix tile for a call's ``q [B, 1, H_q, D]`` and ``k_cache [P, page_size, H_kv, D]``."""

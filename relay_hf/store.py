@@ -218,9 +218,19 @@ class PrefixKey(NamedTuple):
         """How many token ids the key holds (``P``), read without decoding them."""
         return len(self.data) // 8  # int64 ids
 
+    def extends(self, other: Hashable) -> bool:
+        """Whether this key's full prefix is ``other``'s followed by more tokens: its KV was computed after
+        ``other``'s tokens (a document kept under a prompt), so a change that makes ``other`` stale reaches it."""
+        return (isinstance(other, PrefixKey) and len(self.data) > len(other.data)
+                and self.data.startswith(other.data))
+
     def ids(self) -> torch.Tensor:
         """The full prefix's token ids, ``[P]`` int64 on the CPU (a copy: the key stays as it is)."""
         return torch.frombuffer(bytearray(self.data), dtype=torch.int64)
+
+
+def _extends(key: Hashable, other: Hashable) -> bool:
+    return isinstance(key, PrefixKey) and key.extends(other)
 
 
 class PrefixStore:
@@ -328,21 +338,28 @@ class PrefixStore:
     def settle(self, pending: list) -> None:
         """Read the verdicts ``get`` left in ``pending`` (the host waits for the device once), and empty it. An entry
         whose check failed is dropped as ``get`` drops a stale one, its hit uncounted, then ``StaleKept``."""
-        failed = [(key, value) for key, value, verdict in pending if not bool(verdict)]
+        served = [(key, value, bool(verdict)) for key, value, verdict in pending]
         pending.clear()
+        failed = [(key, value) for key, value, held in served if not held]
         if failed:
             with self._lock:
                 for key, value in failed:
-                    self.hits -= 1
                     entry = self._entries.get(key)
                     if entry is not None and entry[0] is value:  # (else another call dropped it first, counted)
                         self._drop_stale(key)
+                # a served segment kept under a failed one held its KV computed on the stale KV: no hit either
+                self.hits -= sum(1 for key, _, held in served
+                                 if not held or any(_extends(key, bad) for bad, _ in failed))
             raise StaleKept(f"{len(failed)} kept prefix segment(s) failed their check")
 
     def _drop_stale(self, key: Hashable) -> None:
-        del self._entries[key]
+        """Drop ``key``'s entry, which failed its check, and every entry kept under it (``PrefixKey.extends``): their
+        KV was computed after its stale KV, and their own checks recompute only their first tokens and embed only
+        their own tokens, so they may pass (each counts in ``stale``)."""
+        for k in [key] + [k for k in self._entries if _extends(k, key)]:
+            del self._entries[k]
+            self.stale += 1
         self._packed = None
-        self.stale += 1
 
     def _check(self, depends: object) -> None:
         if self._entries and self._depends != depends:

@@ -374,3 +374,32 @@ def test_a_document_is_never_prefilled_on_a_kept_prompt_whose_check_is_unread(lo
     ids, mask = batch(prompt, 6, own=(5, 3, 2, 4), document=document)
     out = looped.generate(ids, attention_mask=mask, **GEN)
     assert looped.relay_last_decision.prefix_kept == 48 + 40 and torch.equal(out, stock(looped, ids, mask))
+
+
+@pytest.mark.parametrize("loop", ["default", "graph"], ids=["check read at once", "check read after the prefill"])
+def test_a_document_kept_under_a_prompt_that_went_stale_is_prefilled_again(prompt, loop):
+    """A prompt and a document kept under it; then embedding rows of some of the prompt's tokens change (through
+    ``.data``: no counter moves), none of the document's or the prompt's first tokens. The prompt fails its check;
+    the document's own check (its first tokens recomputed, its own tokens embedded) would pass, but its KV was
+    computed after the prompt's stale KV: it is dropped with the prompt and prefilled again, and the call gives
+    stock's tokens."""
+    m = tiny_model("llama", seed=1)
+    relay_hf.patch(m, **({} if loop == "default" else dict(decode=loop)))
+    document = torch.randint(3, VOCAB, (40,), generator=torch.Generator().manual_seed(5))
+    ids, mask = batch(prompt, 3, own=(4, 2, 6, 3), document=document)
+    m.generate(ids, attention_mask=mask, **GEN)  # keeps the prompt and the document under it
+    store = relay_state(m).store
+    assert len(store) == 2
+    spared = set(document.tolist()) | set(prompt[:8].tolist())
+    rows = [int(t) for t in prompt[10:20] if int(t) not in spared]
+    assert rows
+    table = m.model.embed_tokens.weight
+    table.data[rows] = torch.randn(len(rows), table.shape[1], generator=torch.Generator().manual_seed(3))
+    ids, mask = batch(prompt, 4, own=(5, 3, 2, 4), document=document)
+    out = m.generate(ids, attention_mask=mask, **GEN)
+    assert m.relay_last_decision.used and m.relay_last_decision.prefix_kept == 0
+    assert torch.equal(out, stock(m, ids, mask))
+    assert store.stale == 2 and len(store) == 2
+    out = m.generate(ids, attention_mask=mask, **GEN)  # both prefilled anew serve the next call
+    assert m.relay_last_decision.prefix_kept == 48 + 40 and torch.equal(out, stock(m, ids, mask))
+    relay_hf.unpatch(m)

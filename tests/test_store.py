@@ -231,3 +231,12 @@ def test_resize_validates_then_drops_down_to_the_new_budget():
     with store.holding(["a"]):
         store.resize(40)
         assert store.budget_bytes == 40 and store.keys() == ["a"]  # held stays, the others go down to the budget
+
+
+def test_a_key_extends_only_the_keys_its_full_prefix_continues():
+    ids = torch.arange(10, 30)
+    prompt, document = PrefixKey.of(0, ids[:12]), PrefixKey.of(12, ids)
+    assert document.extends(prompt) and not prompt.extends(document) and not prompt.extends(prompt)
+    assert PrefixKey.of(0, ids).extends(prompt)  # one root segment holding both: its KV follows the prompt's too
+    assert not PrefixKey.of(12, torch.cat([ids[:11], ids[12:]])).extends(prompt)
+    assert not document.extends((0, ids[:12].numpy().tobytes()))  # a plain tuple is no kept segment's key

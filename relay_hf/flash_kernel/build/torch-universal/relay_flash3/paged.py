@@ -49,7 +49,7 @@ class Tiles:
       more than some older cards give a program);
     * ``prefix_keys`` / ``suffix_keys``: keys per inner step of the prefix / suffix units;
     * ``max_splits``: the most splits of one KV range (flash-decoding: splits fill the GPU when a step has few units;
-      each costs an fp32 partial output per row, written and merged);
+      each costs a partial output per row, written and merged);
     * ``prefix_programs``: programs per KV head and split looping over a step's live prefix tiles;
     * ``prefix_warps`` / ``suffix_warps``: warps per program (``None``: prefix 8 from head size 128 up, else 4;
       suffix, whose tile is one request's GQA group, 8 above head size 128, else 4; head size 256 spills at 4);
@@ -63,13 +63,13 @@ class Tiles:
       launch, no suffix partial); ``False``: a merge launch always;
     * ``overlap``: such a merging suffix launch starts while the prefix launch runs (programmatic dependent launch,
       Hopper and newer): its units stream their own pages beside the prefix units and wait for them only before the
-      merge. Off: on an H100 it gained 1 % over the serial launches (100.8 against 102.1 us at 128 requests with
-      64-row prefix tiles, docs/performance.md); ``--tune``'s ``overlap`` variant times it again."""
+      merge (elsewhere the launches run one after the other)."""
 
     # the fastest of ``--tune``'s variants on an H100 (128 / 32 requests x 2048 shared + 128 own tokens, 1 and 4
-    # prompts): 102 / 39 / 105 us against 177 / 41 / 181 us for 32-key tiles, 8 splits and 8 suffix warps, and
-    # 128-row prefix tiles then 81 / 39 / 84 us (benchmarks/data/kernel.csv); fewer splits write fewer fp32 partials,
-    # wider tiles read the shared pages for more requests at once (at more register spills: timed on Hopper only)
+    # prompts): 62 / 38 / 63 us, against 82 / 39 / 84 us without half partials, the one-stage suffix and the overlap
+    # (each alone: 71 / 70 / 79 us at 128 requests) and 177 / 41 / 181 us for 32-key tiles, 8 splits and 64-row prefix
+    # tiles (docs/performance.md, "What limits it"); fewer splits write fewer partials, wider tiles read the shared
+    # pages for more requests at once (at more register spills: 128 rows timed on Hopper only)
     prefix_rows: int | None = None
     prefix_keys: int = 64
     suffix_keys: int = 64

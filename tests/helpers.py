@@ -11,6 +11,7 @@ import pytest
 import torch
 import transformers
 from transformers import AutoModelForCausalLM, PretrainedConfig
+from transformers.generation.streamers import BaseStreamer
 from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
 REPO = Path(__file__).resolve().parents[1]
@@ -106,6 +107,19 @@ def planned(query, prefix_key, prefix_value, suffix_key, suffix_value, suffix_le
 def rel_err(out, ref) -> float:
     out, ref = out.double(), ref.double().to(out.device)
     return float((out - ref).norm() / ref.norm().clamp_min(1e-30))
+
+
+class RecordingStreamer(BaseStreamer):
+    """A streamer that keeps what it is given: ``puts`` (copies of each value) and how many ``end`` calls came."""
+
+    def __init__(self):
+        self.puts, self.ends = [], 0
+
+    def put(self, value):
+        self.puts.append(value.clone())
+
+    def end(self):
+        self.ends += 1
 
 
 def left_pad(rows: list[torch.Tensor], pad_id: int = 0) -> tuple[torch.Tensor, torch.Tensor]:

@@ -18,14 +18,13 @@ from transformers import (
     StoppingCriteriaList,
     TopKLogitsWarper,
 )
-from transformers.generation.streamers import BaseStreamer
 
 import relay_hf
 from relay_hf.graphs import Captured, Eager, Pending, Warming
 from relay_hf.policy import decide
 from relay_hf.state import relay_state
 from relay_hf.step import DEFAULT_DECODE, WARM_UP_STEPS, DecodeConfig
-from tests.helpers import VOCAB, grouped_batch, run_stock, shared_prefix_batch, tiny_model
+from tests.helpers import VOCAB, RecordingStreamer, grouped_batch, run_stock, shared_prefix_batch, tiny_model
 
 GRAPH = dict(min_prefix_length=8, decode="graph")
 
@@ -255,16 +254,6 @@ def test_sampled_stop_strings_with_return_sequences_give_stock_tokens():
 
 
 # -- streamers -------------------------------------------------------------------------------------------------------
-class _Recorder(BaseStreamer):
-    def __init__(self):
-        self.puts, self.ends = [], 0
-
-    def put(self, value):
-        self.puts.append(value.clone())
-
-    def end(self):
-        self.ends += 1
-
 
 STREAMED = {
     "eos_per_row": lambda model, ids, mask: dict(max_new_tokens=40, eos_token_id=_row_eos(model, ids, mask),
@@ -283,7 +272,7 @@ def test_streamer_gets_what_stock_streams(case):
     model = tiny_model("qwen2")
     ids, mask, _ = shared_prefix_batch(seed=12)
     gen = STREAMED[case](model, ids, mask)
-    stock_rec, loop_rec = _Recorder(), _Recorder()
+    stock_rec, loop_rec = RecordingStreamer(), RecordingStreamer()
     stock = run_stock(model, ids, mask, streamer=stock_rec, **gen)
     loop = _loop(model, ids, mask, streamer=loop_rec, **gen)
     assert model.relay_last_decision.fast_decode and torch.equal(stock, loop)

@@ -7,7 +7,7 @@ import torch
 
 import relay_hf
 from relay_hf.state import relay_state
-from tests.helpers import VOCAB, left_pad, tiny_model
+from tests.helpers import VOCAB, RecordingStreamer, left_pad, tiny_model
 
 GEN = dict(max_new_tokens=6, do_sample=False)
 
@@ -285,19 +285,6 @@ def test_int32_ids_find_the_prompt_int64_ids_kept(model, prompt):
     assert torch.equal(out, stock(model, ids32.to(torch.int32), mask32))
 
 
-class _Recorder:
-    """A streamer that keeps what it is given."""
-
-    def __init__(self):
-        self.puts, self.ends = [], 0
-
-    def put(self, value):
-        self.puts.append(value.clone())
-
-    def end(self):
-        self.ends += 1
-
-
 @pytest.fixture
 def looped():
     """A patched model decoding on relay_hf's loop (``decode="graph"``), where a kept prompt's check is read only
@@ -327,7 +314,7 @@ def test_a_check_read_after_the_prefill_that_failed_runs_the_turn_again(looped, 
     runs = []
     for run in (lambda **kw: looped.generate(row, attention_mask=torch.ones_like(row), **kw),
                 lambda **kw: type(looped).generate(looped, input_ids=row, attention_mask=torch.ones_like(row), **kw)):
-        streamer = _Recorder()
+        streamer = RecordingStreamer()
         torch.manual_seed(5)
         out = run(streamer=streamer, **gen)
         runs.append((out, torch.rand(3), streamer))

@@ -250,9 +250,8 @@ def _system_caches(model, prefixes: list) -> tuple[list[RelayCache | None], list
 def packed_cache(store: PrefixStore | None, keys: list[tuple], caches: list[RelayCache]) -> RelayCache:
     """The system prompts of one batch packed into one cache (``RelayCache.combine``), kept while its prompts are
     (``store.packed``): a job whose batches mix the same few prompts packs them once."""
-    if store is None or not all(k in store for k in keys):
-        return RelayCache.combine(caches)
-    return store.packed(keys, lambda _: RelayCache.combine(caches))
+    packed = None if store is None else store.packed(keys, lambda _: RelayCache.combine(caches))
+    return RelayCache.combine(caches) if packed is None else packed
 
 
 def _with_call_prompt(text_inputs, system_prompt):

@@ -314,7 +314,9 @@ class PrefixStore:
         these are dropped first: they belong to a model that has changed since; so is a kept value for which
         ``fresh(value)`` is false (``stale`` counts those), unless it answers with a verdict not read yet (not a
         ``bool``: a device tensor) and ``pending`` is given: then the value is served, ``(key, value, verdict)``
-        appended there for ``settle``."""
+        appended there for ``settle``. Building ``key`` drops the entries kept under it (``PrefixKey.extends``):
+        their KV was computed after the value this one replaces (evicted, or stale in a way their own checks may
+        not see), so they are built again on the new one."""
         with self._lock:
             self._check(depends)
             entry = self._entries.get(key)
@@ -326,6 +328,7 @@ class PrefixStore:
                     self._drop_stale(key)
                     entry = None
             if entry is None:
+                self._drop_under(key)
                 value = build()
                 self.misses += 1  # (after: a build that raises builds nothing)
                 entry = (value, self._nbytes(value))
@@ -345,33 +348,46 @@ class PrefixStore:
             with self._lock:
                 for key, value in failed:
                     entry = self._entries.get(key)
-                    if entry is not None and entry[0] is value:  # (else another call dropped it first, counted)
+                    if entry is not None and entry[0] is value:
                         self._drop_stale(key)
-                # a served segment kept under a failed one held its KV computed on the stale KV: no hit either
-                self.hits -= sum(1 for key, _, held in served
-                                 if not held or any(_extends(key, bad) for bad, _ in failed))
+                    else:  # another call dropped it first (counted) and may have built it again: not under the new one
+                        self.stale += self._drop_under(key)
+                self.hits -= len(served)  # the call is run again, and its run counts what it takes
             raise StaleKept(f"{len(failed)} kept prefix segment(s) failed their check")
 
     def _drop_stale(self, key: Hashable) -> None:
-        """Drop ``key``'s entry, which failed its check, and every entry kept under it (``PrefixKey.extends``): their
-        KV was computed after its stale KV, and their own checks recompute only their first tokens and embed only
-        their own tokens, so they may pass (each counts in ``stale``)."""
-        for k in [key] + [k for k in self._entries if _extends(k, key)]:
-            del self._entries[k]
-            self.stale += 1
+        """Drop ``key``'s entry, which failed its check, and every entry kept under it (``_drop_under``); each counts
+        in ``stale``."""
+        del self._entries[key]
+        self.stale += 1 + self._drop_under(key)
         self._packed = None
 
+    def _drop_under(self, key: Hashable) -> int:
+        """Drop every entry kept under ``key`` (``PrefixKey.extends``), and say how many: their KV was computed after
+        a value of ``key`` that is gone (evicted, or stale), and their own checks recompute only their first tokens
+        and embed only their own tokens, so a change that only that value's tokens see would pass them."""
+        under = [k for k in self._entries if _extends(k, key)]
+        for k in under:
+            del self._entries[k]
+        if under:
+            self._packed = None
+        return len(under)
+
     def _check(self, depends: object) -> None:
-        if self._entries and self._depends != depends:
+        signature = getattr(depends, "signature", depends)  # not the Dependencies: its walk holds the modules
+        if self._entries and self._depends != signature:
             self._entries.clear()
             self._packed = None
-        self._depends = depends
+        self._depends = signature
 
-    def packed(self, keys: list[Hashable], pack: Callable[[list], object]) -> object:
+    def packed(self, keys: list[Hashable], pack: Callable[[list], object]) -> object | None:
         """``pack(values of keys)``, kept for the next call with the same entries (the same keys, none rebuilt or
         dropped meanwhile): one packing (``RelayCache.combine``) serves every batch that mixes the same few prompts.
-        The packing is not counted in the budget; it goes as soon as one of its entries goes."""
+        The packing is not counted in the budget; it goes as soon as one of its entries goes. ``None`` where one of
+        the keys is no longer kept (another thread dropped it since the caller took it)."""
         with self._lock:
+            if not all(k in self._entries for k in keys):
+                return None
             values = [self._entries[k][0] for k in keys]
             ids = tuple(map(id, values))
             if self._packed is None or self._packed[0] != ids:
@@ -417,6 +433,7 @@ class PrefixStore:
             self._entries.clear()
             self._pinned.clear()
             self._packed = None
+            self._depends = None
 
     def nbytes(self) -> int:
         """Bytes the kept values hold now."""

@@ -390,3 +390,45 @@ def test_a_document_kept_under_a_prompt_that_went_stale_is_prefilled_again(promp
     out = m.generate(ids, attention_mask=mask, **GEN)  # both prefilled anew serve the next call
     assert m.relay_last_decision.prefix_kept == 48 + 40 and torch.equal(out, stock(m, ids, mask))
     relay_hf.unpatch(m)
+
+
+@pytest.mark.parametrize("loop", ["default", "graph"], ids=["check read at once", "check read after the prefill"])
+def test_a_document_kept_under_an_evicted_prompt_is_prefilled_again_with_it(prompt, loop):
+    """The prompt is evicted (least recently used: a call reads it before the document under it) and the document
+    stays; then embedding rows of some of the prompt's tokens change through ``.data``. The prompt, prefilled anew,
+    takes the document along: its KV followed the prompt's old KV, and its own check would pass."""
+    m = tiny_model("llama", seed=1)
+    relay_hf.patch(m, **({} if loop == "default" else dict(decode=loop)))
+    document = torch.randint(3, VOCAB, (40,), generator=torch.Generator().manual_seed(5))
+    ids, mask = batch(prompt, 3, own=(4, 2, 6, 3), document=document)
+    m.generate(ids, attention_mask=mask, **GEN)
+    store = relay_state(m).store
+    store.resize(store.nbytes() + 1)
+    other = torch.randint(3, VOCAB, (48,), generator=torch.Generator().manual_seed(77))
+    m.generate(*batch(other, 8)[:1], attention_mask=batch(other, 8)[1], **GEN)  # evicts the prompt only
+    assert len(store) == 2 and m.relay_last_decision.used
+    spared = set(document.tolist()) | set(prompt[:8].tolist())
+    rows = [int(t) for t in prompt[10:20] if int(t) not in spared]
+    table = m.model.embed_tokens.weight
+    table.data[rows] = torch.randn(len(rows), table.shape[1], generator=torch.Generator().manual_seed(3))
+    ids, mask = batch(prompt, 4, own=(5, 3, 2, 4), document=document)
+    out = m.generate(ids, attention_mask=mask, **GEN)
+    assert m.relay_last_decision.used and m.relay_last_decision.prefix_kept == 0
+    assert torch.equal(out, stock(m, ids, mask)) and store.stale == 0
+    relay_hf.unpatch(m)
+
+
+def test_a_turn_run_again_counts_only_what_its_run_took(looped, prompt):
+    """The prompt's check holds and the document's fails (its own tokens' embedding rows changed): the call runs
+    again, and the store counts the prompt's hit once, as a check read at once would."""
+    document = torch.randint(3, VOCAB, (40,), generator=torch.Generator().manual_seed(5))
+    ids, mask = batch(prompt, 3, own=(4, 2, 6, 3), document=document)
+    looped.generate(ids, attention_mask=mask, **GEN)
+    rows = [t for t in sorted(set(document.tolist()) - set(prompt.tolist()))][:3]
+    table = looped.model.embed_tokens.weight
+    table.data[rows] = torch.randn(len(rows), table.shape[1], generator=torch.Generator().manual_seed(3))
+    ids, mask = batch(prompt, 4, own=(5, 3, 2, 4), document=document)
+    out = looped.generate(ids, attention_mask=mask, **GEN)
+    store = relay_state(looped).store
+    assert looped.relay_last_decision.prefix_kept == 48 and torch.equal(out, stock(looped, ids, mask))
+    assert (store.hits, store.misses, store.stale) == (1, 3, 1) and relay_hf.stats(looped).prefix_hits == 1

@@ -208,6 +208,38 @@ def test_a_packing_is_kept_while_its_entries_are():
     store.get("b", 1, lambda: b"B" * 40)  # the model changed: entries and packing are rebuilt
     store.packed(["b"], pack)
     assert packs[-1] == [b"B" * 40] and len(packs) == 3
+    assert store.packed(["b", "a"], pack) is None and len(packs) == 3  # a key dropped since: nothing to pack from
+
+
+def test_building_a_segment_drops_what_was_kept_under_its_last_value():
+    # a prompt evicted while a document kept under it stays: the prompt prefilled anew drops the document, whose KV
+    # followed the prompt's old KV (a change only the prompt's tokens see passes the document's own check)
+    store = _store(1000)
+    ids = torch.arange(10, 30)
+    prompt, document, other = PrefixKey.of(0, ids[:12]), PrefixKey.of(12, ids), PrefixKey.of(0, ids[1:12])
+    store.resize(100)
+    for key in (prompt, document, other):  # a parent is read before its child: least recently used, it goes first
+        store.get(key, 0, lambda: b"x" * 40)
+    store.trim()
+    assert store.keys() == [document, other]
+    store.get(prompt, 0, lambda: b"y" * 40)
+    assert store.keys() == [other, prompt] and store.stale == 0
+    store.get(document, 0, lambda: b"z" * 40)
+    assert store.misses == 5 and store.hits == 0
+
+
+def test_the_store_holds_the_models_signature_not_its_modules():
+    import gc
+    import weakref
+
+    # (the call's walk holds the modules naming their layer, for that call: the store keeps only what it compares)
+    model = tiny_model("llama")
+    store = _store(1000)
+    store.get("a", kv_dependencies(model), lambda: b"a")
+    weight = weakref.ref(model.model.layers[0].self_attn.k_proj.weight)
+    del model
+    gc.collect()
+    assert weight() is None and store.get("a", 0, lambda: b"b") == b"b"  # another model's signature: rebuilt
 
 
 def test_a_prefix_key_holds_its_start_and_ids_and_equals_the_plain_tuple():

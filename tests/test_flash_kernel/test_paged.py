@@ -116,12 +116,12 @@ def test_matches_float64_oracle_and_writes_the_new_token(case, path):
     torch.testing.assert_close(v_cache.double().cpu(), vc, atol=0, rtol=0)
 
 
-@pytest.mark.parametrize("splits", [None, 1, 2, "half partials", "half partials, merge launch"],
-                         ids=["interface", "merged", "merge launch", "half partials", "half partials, merge launch"])
+@pytest.mark.parametrize("splits", [None, 1, 2, "fp32 partials", "fp32 partials, merge launch"],
+                         ids=["interface", "merged", "merge launch", "fp32 partials", "fp32 partials, merge launch"])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_half_precision_softcap_and_sinks(dtype, splits):
-    # "half partials": the prefix partials kept in the query's dtype (Tiles.half_partials), merged by the suffix
-    # units or by a merge launch that reads the suffix partials in that dtype too
+    # the prefix partials kept in the query's dtype (Tiles.half_partials, the default), merged by the suffix units or
+    # by a merge launch that reads the suffix partials in that dtype too; "fp32 partials": kept in fp32
     step = _step(7, 4, [13, 14, 12, 18], [("sys", 3)] * 4, kv_heads=1, group=4, dtype=dtype)
     sinks = torch.randn(4)
     expected, _, _ = _oracle(*step, scale=0.25, softcap=5.0, sinks=sinks)
@@ -130,7 +130,7 @@ def test_half_precision_softcap_and_sinks(dtype, splits):
         out = kernel.flash_attn_with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens=past, block_table=table,
                                              softmax_scale=0.25, softcap=5.0, s_aux=sinks.to(DEVICE))
     elif isinstance(splits, str):
-        tiles = dataclasses.replace(paged.TILES, half_partials=True)
+        tiles = dataclasses.replace(paged.TILES, half_partials=False)
         out = paged.paged_relay_triton(q, k_cache, v_cache, k, v, table, past, 0.25, 5.0, sinks.to(DEVICE),
                                        prefix_splits=2, suffix_splits=2 if "merge launch" in splits else 1,
                                        tiles=tiles)

@@ -233,27 +233,25 @@ def _extends(key: Hashable, other: Hashable) -> bool:
     return isinstance(key, PrefixKey) and key.extends(other)
 
 
-class PrefixStore:
-    """Values (prefilled ``RelayCache``s) kept by key, least recently used first out, within ``budget_bytes``.
+class BudgetStore:
+    """Values kept by key, least recently used first out, within ``budget_bytes``; held (a running call reads them)
+    and pinned keys stay. ``PrefixStore`` adds what a kept prefix needs.
 
     Args:
         budget_bytes: bytes of kept values (``nbytes(value)``) beyond which the least recently used are dropped;
             ``0`` keeps nothing between calls.
         nbytes: the bytes a value holds.
 
-    Thread-safe: one lock guards the entries, and a miss builds under it, so threads asking for one key build it once.
+    Thread-safe: one lock guards the entries.
     """
 
     def __init__(self, budget_bytes: int, nbytes: Callable[[object], int]):
         self.budget_bytes = budget_bytes
         self._nbytes = nbytes
         self._entries: OrderedDict[Hashable, tuple[object, int]] = OrderedDict()  # key -> (value, bytes); LRU first
-        self._depends: object = None  # what every kept entry was built under
         self._held: dict[Hashable, int] = {}  # key -> running calls holding it (never evicted meanwhile)
         self._pinned: set[Hashable] = set()  # keys never evicted for the budget (relay_hf.pin); kept until unpinned
         self._lock = threading.RLock()
-        self._packed: tuple[tuple, object] | None = None  # (the entries packed, by identity; their packing)
-        self.hits = self.misses = self.stale = 0
 
     @property
     def budget_bytes(self) -> int:
@@ -307,6 +305,81 @@ class PrefixStore:
         """Bytes the pinned entries hold now."""
         with self._lock:
             return sum(self._entries[k][1] for k in self._pinned if k in self._entries)
+
+    @contextmanager
+    def holding(self, keys: Iterable[Hashable]):
+        """Keep ``keys`` from eviction while the block runs (a running call reads them)."""
+        keys = list(keys)
+        with self._lock:
+            for k in keys:
+                self._held[k] = self._held.get(k, 0) + 1
+        try:
+            yield
+        finally:
+            with self._lock:
+                for k in keys:
+                    self._held[k] -= 1
+                    if not self._held[k]:
+                        del self._held[k]
+                self.trim()
+
+    def trim(self, keep: Iterable[Hashable] = ()) -> None:
+        """Drop least recently used entries until the kept bytes fit the budget; entries in ``keep`` or held by a
+        running call stay (so the store may exceed its budget while they run; a call lets go of them when it ends,
+        ``holding``, and the store is within its budget again)."""
+        with self._lock:
+            keep = set(keep) | set(self._held) | self._pinned
+            held = self.nbytes()
+            for key in list(self._entries):
+                if held <= self._budget:
+                    break
+                if key not in keep:
+                    held -= self._entries.pop(key)[1]
+            self._dropped()
+
+    def _dropped(self) -> None:
+        """Entries may have gone (``trim``): what depends on them goes too (none here)."""
+
+    def clear(self) -> None:
+        """Drop every entry, pinned ones too (and their pins)."""
+        with self._lock:
+            self._entries.clear()
+            self._pinned.clear()
+            self._dropped()
+
+    def nbytes(self) -> int:
+        """Bytes the kept values hold now."""
+        with self._lock:
+            return sum(n for _, n in self._entries.values())
+
+    def values(self) -> list:
+        """The kept values, least recently used first."""
+        with self._lock:
+            return [v for v, _ in self._entries.values()]
+
+    def keys(self) -> list:
+        """The kept keys, least recently used first."""
+        with self._lock:
+            return list(self._entries)
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def __contains__(self, key: Hashable) -> bool:
+        return key in self._entries
+
+
+class PrefixStore(BudgetStore):
+    """A ``BudgetStore`` of prefilled prefixes (``prefill.KeptSegment``s, or ``RelayCache``s): every entry was built
+    under one ``kv_dependencies`` (others drop them all), a hit may be checked (``fresh``) at once or late
+    (``settle``), a segment kept under another goes with it, and a batch's packing of several is kept with them.
+    A miss builds under the lock, so threads asking for one key build it once."""
+
+    def __init__(self, budget_bytes: int, nbytes: Callable[[object], int]):
+        super().__init__(budget_bytes, nbytes)
+        self._depends: object = None  # the signature every kept entry was built under
+        self._packed: tuple[tuple, object] | None = None  # (the entries packed, by identity; their packing)
+        self.hits = self.misses = self.stale = 0
 
     def get(self, key: Hashable, depends: object, build: Callable[[], object],
             fresh: Callable[[object], object] | None = None, pending: list | None = None) -> object:
@@ -394,64 +467,9 @@ class PrefixStore:
                 self._packed = (ids, pack(values))
             return self._packed[1]
 
-    @contextmanager
-    def holding(self, keys: Iterable[Hashable]):
-        """Keep ``keys`` from eviction while the block runs (a running call reads them)."""
-        keys = list(keys)
-        with self._lock:
-            for k in keys:
-                self._held[k] = self._held.get(k, 0) + 1
-        try:
-            yield
-        finally:
-            with self._lock:
-                for k in keys:
-                    self._held[k] -= 1
-                    if not self._held[k]:
-                        del self._held[k]
-                self.trim()
-
-    def trim(self, keep: Iterable[Hashable] = ()) -> None:
-        """Drop least recently used entries until the kept bytes fit the budget; entries in ``keep`` or held by a
-        running call stay (so the store may exceed its budget while they run; a call lets go of them when it ends,
-        ``holding``, and the store is within its budget again)."""
-        with self._lock:
-            keep = set(keep) | set(self._held) | self._pinned
-            held = self.nbytes()
-            for key in list(self._entries):
-                if held <= self._budget:
-                    break
-                if key not in keep:
-                    held -= self._entries.pop(key)[1]
-            kept = {id(v) for v, _ in self._entries.values()}
-            if self._packed is not None and not set(self._packed[0]) <= kept:
-                self._packed = None  # it holds a dropped entry's KV: let that go too
-
-    def clear(self) -> None:
-        """Drop every entry, pinned ones too (and their pins)."""
-        with self._lock:
-            self._entries.clear()
-            self._pinned.clear()
-            self._packed = None
+    def _dropped(self) -> None:
+        kept = {id(v) for v, _ in self._entries.values()}
+        if self._packed is not None and not set(self._packed[0]) <= kept:
+            self._packed = None  # it holds a dropped entry's KV: let that go too
+        if not self._entries:
             self._depends = None
-
-    def nbytes(self) -> int:
-        """Bytes the kept values hold now."""
-        with self._lock:
-            return sum(n for _, n in self._entries.values())
-
-    def values(self) -> list:
-        """The kept values, least recently used first."""
-        with self._lock:
-            return [v for v, _ in self._entries.values()]
-
-    def keys(self) -> list:
-        """The kept keys, least recently used first."""
-        with self._lock:
-            return list(self._entries)
-
-    def __len__(self) -> int:
-        return len(self._entries)
-
-    def __contains__(self, key: Hashable) -> bool:
-        return key in self._entries

@@ -43,21 +43,17 @@ def _tensors_signature(path: str, params: dict, buffers: dict, seen: set, partia
     same but its version (a rotary table the model rewrites at each forward, as dynamic and longrope embeddings do,
     would drop every kept prefix; a hit's check reads what buffers hold). Host metadata only: no device read. Stacked
     parameters (3+ dims: experts) go into ``partial``."""
-    for name, t in params.items():
-        if t is None or id(t) in seen:
-            continue
-        seen.add(id(t))
-        local = t if type(t) in _PLAIN_TENSORS else local_shard(t)
-        shape = tuple(t.shape)
-        out.append((path, name, id(t), local.data_ptr(), t.dtype, t.device, shape, local._version))
-        if len(shape) >= 3:
-            partial[id(t)] = t
-    for name, t in buffers.items():
-        if t is None or id(t) in seen:
-            continue
-        seen.add(id(t))
-        local = t if type(t) in _PLAIN_TENSORS else local_shard(t)
-        out.append((path, name, id(t), local.data_ptr(), t.dtype, t.device, tuple(t.shape), None))
+    for is_param, tensors in ((True, params), (False, buffers)):
+        for name, t in tensors.items():
+            if t is None or id(t) in seen:
+                continue
+            seen.add(id(t))
+            local = t if type(t) in _PLAIN_TENSORS else local_shard(t)
+            shape = tuple(t.shape)
+            out.append((path, name, id(t), local.data_ptr(), t.dtype, t.device, shape,
+                        local._version if is_param else None))
+            if is_param and len(shape) >= 3:
+                partial[id(t)] = t
 
 
 _PLAIN_TENSORS = frozenset((torch.Tensor, torch.nn.Parameter))  # exact types with no shard to ask for (no getattr)

@@ -83,9 +83,11 @@ PATHS = [pytest.param(True, marks=needs_interpreter, id="triton"), pytest.param(
 
 @pytest.mark.parametrize("use_triton", PATHS)
 @pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
-@pytest.mark.parametrize("h_q,h_kv", [(4, 2), (2, 2)], ids=["gqa", "mha"])
+@pytest.mark.parametrize("h_q,h_kv", [(4, 2), (2, 2), (6, 2), (32, 1)], ids=["gqa", "mha", "gqa3", "mqa32"])
 @pytest.mark.parametrize("d", [16, 64])
 def test_matches_oracle_fp32(use_triton, causal, h_q, h_kv, d):
+    """A program holds a GQA group's heads for several tokens: a group of 3 leaves a row of the interpreter's
+    16-row tile empty; one of 32 is wider than the tile and runs one head per program."""
     q, k, v, cu_q, cu_k, _ = make_case(h_q, h_kv, d, seed=seed_of(causal, h_q, h_kv, d))
     scale = None if d == 16 else 0.3  # the default D**-0.5 and an explicit one
     out = varlen.varlen_attention(q, k, v, cu_q, cu_k, 20, softmax_scale=scale, causal=causal,

@@ -105,40 +105,48 @@ def _attend(m_i, l_i, acc, q, Kh, Vh, k_sn, k_sd, v_sn, v_sd, lo, hi, q_pos, d, 
 
 @triton.jit
 def _varlen_kernel(Q, K, V, O,  # noqa: E741  (O: the output pointer, beside Q, K, V)
-                   CU_Q, CU_K, SINKS, q_s0, q_s1, q_s2, k_s0, k_s1, k_s2, v_s0, v_s1, v_s2, o_s0, o_s1, o_s2, G, D,
-                   scale_log2, softcap, cap_scale, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                   BLOCK_D: tl.constexpr, CAUSAL: tl.constexpr, SOFTCAP: tl.constexpr, HAS_SINK: tl.constexpr,
-                   IEEE: tl.constexpr, DOT_F32: tl.constexpr):
-    """Grid ``(n, cdiv(max_seqlen_q, BLOCK_M), H_q)``: one program is one tile of ``BLOCK_M`` queries of one sequence
-    in one query head. Programs past their sequence's length exit at once (the grid depends only on
-    ``max_seqlen_q``, never on the lengths, so it needs no host sync)."""
-    seq, mb, h = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+                   CU_Q, CU_K, SINKS, q_s0, q_s1, q_s2, k_s0, k_s1, k_s2, v_s0, v_s1, v_s2, o_s0, o_s1, o_s2, n_hg,
+                   n_mb, G, D, scale_log2, softcap, cap_scale, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                   BLOCK_D: tl.constexpr, PACK: tl.constexpr, CAUSAL: tl.constexpr, SOFTCAP: tl.constexpr,
+                   HAS_SINK: tl.constexpr, IEEE: tl.constexpr, DOT_F32: tl.constexpr):
+    """One program: ``BLOCK_M // PACK`` query tokens of one sequence times ``PACK`` query heads of one KV head
+    (``PACK`` is the GQA group, or 1), folded into ``BLOCK_M`` rows, so a K/V tile is loaded once for the group's
+    heads. Program id ``hg + n_hg * (mb + n_mb * seq)``: the head groups of a tile, then the tiles of a sequence, sit
+    side by side, so programs that read the same keys run together (from the L2). Programs past their sequence's
+    length exit at once (the grid depends only on ``max_seqlen_q``, never on the lengths: no host sync)."""
+    pid = tl.program_id(0)
+    hg = pid % n_hg
+    mb = (pid // n_hg) % n_mb
+    seq = pid // (n_hg * n_mb)
+    TOKENS: tl.constexpr = BLOCK_M // PACK
     q0 = tl.load(CU_Q + seq).to(tl.int64)
     lq = (tl.load(CU_Q + seq + 1) - q0).to(tl.int32)
-    if mb * BLOCK_M >= lq:
+    if mb * TOKENS >= lq:
         return
     k0 = tl.load(CU_K + seq).to(tl.int64)
     lk = (tl.load(CU_K + seq + 1) - k0).to(tl.int32)
-    rows = mb * BLOCK_M + tl.arange(0, BLOCK_M)
-    row_ok = rows < lq
+    r = tl.arange(0, BLOCK_M)
+    tok = mb * TOKENS + r // PACK  # [BLOCK_M] the row's token within the sequence
+    heads = hg * PACK + r % PACK  # [BLOCK_M] its query head
+    row_ok = (r < TOKENS * PACK) & (tok < lq)
     d = tl.arange(0, BLOCK_D)
     d_ok = d < D
-    q = tl.load(Q + q0 * q_s0 + h * q_s1 + rows[:, None] * q_s0 + d[None, :] * q_s2,
+    q = tl.load(Q + (q0 + tok)[:, None] * q_s0 + heads[:, None] * q_s1 + d[None, :] * q_s2,
                 mask=row_ok[:, None] & d_ok[None, :], other=0.0)
-    kvh = h // G
+    kvh = hg * PACK // G
     Kh, Vh = K + k0 * k_s0 + kvh * k_s1, V + k0 * v_s0 + kvh * v_s1
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     if HAS_SINK:  # the sink starts the running softmax: a logit seen first, with value 0
-        m_i = tl.zeros([BLOCK_M], tl.float32) + tl.load(SINKS + h).to(tl.float32) * _LOG2E
+        m_i = tl.load(SINKS + heads, mask=row_ok, other=0.0).to(tl.float32) * _LOG2E
         l_i = tl.full([BLOCK_M], 1.0, tl.float32)
     else:
         m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_M], tl.float32)
-    q_pos = rows + (lk - lq)  # bottom-right causal: the last key each query sees
+    q_pos = tok + (lk - lq)  # bottom-right causal: the last key each query sees
     if CAUSAL:
-        last_row = tl.minimum(mb * BLOCK_M + BLOCK_M, lq) - 1
-        hi = tl.maximum(tl.minimum(lk, last_row + (lk - lq) + 1), 0)  # no row of the tile sees a key past hi
-        every = tl.maximum(tl.minimum(lk, mb * BLOCK_M + (lk - lq) + 1), 0)  # every row sees the keys before this
+        last_tok = tl.minimum(mb * TOKENS + TOKENS, lq) - 1
+        hi = tl.maximum(tl.minimum(lk, last_tok + (lk - lq) + 1), 0)  # no row of the tile sees a key past hi
+        every = tl.maximum(tl.minimum(lk, mb * TOKENS + (lk - lq) + 1), 0)  # every row sees the keys before this
     else:
         hi = lk
         every = lk
@@ -150,7 +158,7 @@ def _varlen_kernel(Q, K, V, O,  # noqa: E741  (O: the output pointer, beside Q, 
                             softcap, cap_scale, BLOCK_N=BLOCK_N, MASKED=True, CAUSAL=CAUSAL, SOFTCAP=SOFTCAP,
                             IEEE=IEEE, DOT_F32=DOT_F32)
     out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]  # a row that saw no key (and no sink) has acc = 0
-    tl.store(O + q0 * o_s0 + h * o_s1 + rows[:, None] * o_s0 + d[None, :] * o_s2, out.to(O.dtype.element_ty),
+    tl.store(O + (q0 + tok)[:, None] * o_s0 + heads[:, None] * o_s1 + d[None, :] * o_s2, out.to(O.dtype.element_ty),
              mask=row_ok[:, None] & d_ok[None, :])
 
 
@@ -174,15 +182,16 @@ def _triton_forward(q, k, v, cu_q, cu_k, max_seqlen_q, scale, causal, softcap, s
         return out
     block_d = max(16, triton.next_power_of_2(dim))  # tl.dot needs >= 16 along the reduced axis
     block_m, block_n, num_warps, num_stages = tiles or _tiles(block_d, q.dtype)
-    grid = (n, triton.cdiv(max_seqlen_q, block_m), h_q)
+    group = h_q // h_kv
+    pack = group if group <= block_m else 1  # a GQA group wider than the tile: one head per program
+    n_hg, n_mb = h_q // pack, triton.cdiv(max_seqlen_q, block_m // pack)
     scale_log2 = LOG2E if softcap > 0 else scale * LOG2E  # with a cap the scale goes in before tanh, log2e after
-    _varlen_kernel[grid](q, k, v, out, cu_q, cu_k, q if s_aux is None else s_aux, *q.stride(), *k.stride(),
-                         *v.stride(), *out.stride(), h_q // h_kv, dim, scale_log2, float(softcap),
-                         scale / softcap if softcap > 0 else scale,
-                         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d, CAUSAL=bool(causal),
-                         SOFTCAP=softcap > 0, HAS_SINK=s_aux is not None, IEEE=q.dtype == torch.float32,
-                         DOT_F32=q.dtype == torch.bfloat16 and not q.is_cuda, num_warps=num_warps,
-                         num_stages=num_stages)
+    _varlen_kernel[(n_hg * n_mb * n,)](
+        q, k, v, out, cu_q, cu_k, q if s_aux is None else s_aux, *q.stride(), *k.stride(), *v.stride(),
+        *out.stride(), n_hg, n_mb, group, dim, scale_log2, float(softcap), scale / softcap if softcap > 0 else scale,
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d, PACK=pack, CAUSAL=bool(causal), SOFTCAP=softcap > 0,
+        HAS_SINK=s_aux is not None, IEEE=q.dtype == torch.float32, DOT_F32=q.dtype == torch.bfloat16 and not q.is_cuda,
+        num_warps=num_warps, num_stages=num_stages)
     return out
 
 

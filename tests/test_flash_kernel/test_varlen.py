@@ -118,13 +118,23 @@ def test_half_precision(use_triton, dtype):
 
 
 @needs_interpreter
-def test_max_seqlen_q_unknown_or_over_provisioned():
-    """No max_seqlen_q (computed, host sync) and a larger one (a CUDA graph captured for longer sequences: the extra
-    programs exit) give the same result as the exact one."""
+def test_max_seqlen_q_is_not_needed():
+    """The grid follows from the shapes: no max_seqlen_q, a larger one (continuous batching pads it to the step's
+    tokens when it captures the step) and a smaller one give the exact one's result."""
     q, k, v, cu_q, cu_k, _ = make_case(2, 1, 16, seed=7)
-    runs = [varlen.varlen_attention(q, k, v, cu_q, cu_k, m, causal=True, use_triton=True) for m in (20, None, 50)]
+    runs = [varlen.varlen_attention(q, k, v, cu_q, cu_k, m, causal=True, use_triton=True) for m in (20, None, 50, 1)]
     check(runs[0], oracle(q, k, v, cu_q, cu_k, True), q, cu_q, torch.float32)
-    assert torch.equal(runs[0], runs[1]) and torch.equal(runs[0], runs[2])
+    assert all(torch.equal(runs[0], other) for other in runs[1:])
+
+
+@needs_interpreter
+def test_tiles_found_over_several_passes(monkeypatch):
+    """A program finds its sequence in a prefix sum over the sequences, a few at a time: two per pass here, so the
+    layout's seven sequences (empty ones among them) take four passes."""
+    monkeypatch.setattr(varlen, "SEQUENCES_PER_PASS", 2)
+    q, k, v, cu_q, cu_k, _ = make_case(4, 2, 16, seed=8)
+    out = varlen.varlen_attention(q, k, v, cu_q, cu_k, 20, causal=True, use_triton=True)
+    check(out, oracle(q, k, v, cu_q, cu_k, True), q, cu_q, torch.float32)
 
 
 @pytest.mark.parametrize("use_triton", PATHS)

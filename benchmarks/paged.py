@@ -73,6 +73,9 @@ VARIANTS = {
     "s2_pk128": dict(max_splits=2, prefix_keys=128),
     "merge_launch": dict(suffix_merges=False),
     "overlap": dict(overlap=True),
+    "suffix_warps2": dict(suffix_warps=2),
+    "suffix_keys32_warps2": dict(suffix_keys=32, suffix_warps=2),
+    "suffix_keys128_warps8": dict(suffix_keys=128, suffix_warps=8),
 }
 TUNE_CASES = [(128, 2048, 1), (32, 2048, 1), (128, 2048, 4)]
 

@@ -233,3 +233,22 @@ def test_a_captured_call_replays_other_lengths():
     graph.replay()
     expected = oracle(q.cpu(), k.cpu(), v.cpu(), ncu_q, ncu_k, True)
     check(out.cpu(), expected, q.cpu(), ncu_q, torch.bfloat16)
+
+
+@pytest.mark.gpu
+def test_sequence_counts_share_one_compiled_kernel():
+    """The step's sequence count is not specialised on: continuous batching's steps come with ever new counts (1, a
+    multiple of 16, any other: three specialisations of an integer), and each compile stalled a serving step."""
+    kernel_fn = varlen._varlen_kernel
+
+    def compiled() -> int:
+        return sum(len(entry[0]) for entry in kernel_fn.device_caches.values())
+
+    counts = []
+    for n in (1, 2, 16, 17, 3):
+        layout = ((5, 9), (3, 3)) * (n // 2) + ((4, 6),) * (n % 2)
+        q, k, v, cu_q, cu_k, _ = make_case(4, 2, 64, torch.bfloat16, layout=layout, seed=seed_of("count", n))
+        out = varlen.varlen_attention(*(t.cuda() for t in (q, k, v, cu_q, cu_k)), None, causal=True, use_triton=True)
+        check(out.cpu(), oracle(q, k, v, cu_q, cu_k, True), q, cu_q, torch.bfloat16)
+        counts.append(compiled())
+    assert counts == [counts[0]] * len(counts)

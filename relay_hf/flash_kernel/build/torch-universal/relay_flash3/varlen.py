@@ -38,7 +38,8 @@ try:
 except ImportError:  # pragma: no cover - triton is a Linux dependency; without it the kernel is a plain function
     from types import SimpleNamespace
 
-    triton, tl = SimpleNamespace(jit=lambda fn: fn), SimpleNamespace(constexpr=lambda value: value)
+    triton = SimpleNamespace(jit=lambda fn=None, **_: fn if fn is not None else (lambda f: f))
+    tl = SimpleNamespace(constexpr=lambda value: value)
 
 # Tiles (BLOCK_M query rows, BLOCK_N keys, num_warps, num_stages) by padded head size BLOCK_D (16, 32 -> the 64 row,
 # above 256 -> the 256 row). A tile's rows are tokens x the GQA group's heads. 16-bit head size 128: 64-row tiles
@@ -48,7 +49,9 @@ except ImportError:  # pragma: no cover - triton is a Linux dependency; without 
 TILES_16BIT = {64: (128, 64, 4, 3), 128: (64, 64, 4, 3), 256: (64, 32, 4, 2)}
 TILES_FP32 = {64: (64, 32, 4, 2), 128: (64, 32, 4, 2), 256: (32, 32, 4, 1)}
 TILES_INTERPRET = (16, 16, 1, 1)  # the CPU interpreter: small tiles, so short test sequences still span several
-SEQUENCES_PER_PASS = 1024  # a program finds its tile in a prefix sum over this many sequences at a time
+# a program finds its tile in a prefix sum over this many sequences at a time: one value for every call (a
+# constexpr that followed the step's sequence count compiled the kernel again whenever a new count came)
+SEQUENCES_PER_PASS = 256
 
 LOG2E = 1.0 / math.log(2.0)  # exp(x) = exp2(x * LOG2E)
 _LOG2E = tl.constexpr(LOG2E)
@@ -128,7 +131,8 @@ def _tile_of(CU_Q, t, n, TOKENS: tl.constexpr, BLOCK_S: tl.constexpr):
     return seq, t - first
 
 
-@triton.jit
+# the sequence count changes from step to step: unspecialised, so a new count never compiles the kernel again
+@triton.jit(do_not_specialize=["n"])
 def _varlen_kernel(Q, K, V, O,  # noqa: E741  (O: the output pointer, beside Q, K, V)
                    CU_Q, CU_K, SINKS, q_s0, q_s1, q_s2, k_s0, k_s1, k_s2, v_s0, v_s1, v_s2, o_s0, o_s1, o_s2, n,
                    n_hg, G, D, scale_log2, softcap, cap_scale, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -210,15 +214,14 @@ def _triton_forward(q, k, v, cu_q, cu_k, max_seqlen_q, scale, causal, softcap, s
     pack = group if group <= block_m else 1  # a GQA group wider than the tile: one head per program
     tokens = block_m // pack
     tiles_bound = q.shape[0] // tokens + n  # >= the sum of cdiv(Lq_i, tokens) over the sequences
-    block_s = min(SEQUENCES_PER_PASS, triton.next_power_of_2(n))
     scale_log2 = LOG2E if softcap > 0 else scale * LOG2E  # with a cap the scale goes in before tanh, log2e after
     _varlen_kernel[(h_q // pack * tiles_bound,)](
         q, k, v, out, cu_q, cu_k, q if s_aux is None else s_aux, *q.stride(), *k.stride(), *v.stride(),
         *out.stride(), n, h_q // pack, group, dim, scale_log2, float(softcap),
-        scale / softcap if softcap > 0 else scale, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d, BLOCK_S=block_s,
-        PACK=pack, CAUSAL=bool(causal), SOFTCAP=softcap > 0,
-        HAS_SINK=s_aux is not None, IEEE=q.dtype == torch.float32, DOT_F32=q.dtype == torch.bfloat16 and not q.is_cuda,
-        num_warps=num_warps, num_stages=num_stages)
+        scale / softcap if softcap > 0 else scale, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d,
+        BLOCK_S=SEQUENCES_PER_PASS, PACK=pack, CAUSAL=bool(causal), SOFTCAP=softcap > 0, HAS_SINK=s_aux is not None,
+        IEEE=q.dtype == torch.float32, DOT_F32=q.dtype == torch.bfloat16 and not q.is_cuda, num_warps=num_warps,
+        num_stages=num_stages)
     return out
 
 

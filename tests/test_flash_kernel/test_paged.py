@@ -4,6 +4,7 @@ with and without shared leading runs; and the groups it derives from a block tab
 from __future__ import annotations
 
 import dataclasses
+import math
 import zlib
 
 import pytest
@@ -139,6 +140,19 @@ def test_half_precision_softcap_and_sinks(dtype, splits):
                                        prefix_splits=splits, suffix_splits=splits)
     tol = 2e-2 if dtype == torch.bfloat16 else 4e-3
     torch.testing.assert_close(out.double().cpu(), expected, atol=tol, rtol=tol)
+
+
+def test_strided_sinks():
+    """Sink logits as a strided view, NaN between them: each head reads its own sink."""
+    step = _step(7, 4, [13, 14, 12, 18], [("sys", 3)] * 4, kv_heads=1, group=4, dtype=torch.float32)
+    sinks = torch.randn(4)
+    expected, _, _ = _oracle(*step, scale=0.25, sinks=sinks)
+    strided = torch.stack([sinks, torch.full_like(sinks, math.nan)], 1).to(DEVICE)[:, 0]
+    assert not strided.is_contiguous()
+    q, k_cache, v_cache, k, v, table, past = _on(DEVICE, step)
+    out = kernel.flash_attn_with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens=past, block_table=table,
+                                         softmax_scale=0.25, s_aux=strided)
+    torch.testing.assert_close(out.double().cpu(), expected, atol=2e-5, rtol=2e-5)
 
 
 @pytest.mark.parametrize("splits", [1, 2])

@@ -138,6 +138,16 @@ def test_tiles_found_over_several_passes(monkeypatch):
 
 
 @pytest.mark.parametrize("use_triton", PATHS)
+def test_strided_sinks(use_triton):
+    """Sink logits as a strided view, NaN between them: one sink per head is read, and the right one."""
+    q, k, v, cu_q, cu_k, s_aux = make_case(4, 2, 16, seed=12, sinks=True)
+    strided = torch.stack([s_aux, torch.full_like(s_aux, math.nan)], 1)[:, 0]
+    assert not strided.is_contiguous()
+    out = varlen.varlen_attention(q, k, v, cu_q, cu_k, 20, causal=True, s_aux=strided, use_triton=use_triton)
+    check(out, oracle(q, k, v, cu_q, cu_k, True, s_aux=s_aux), q, cu_q, torch.float32)
+
+
+@pytest.mark.parametrize("use_triton", PATHS)
 def test_strided_views_and_int64_cu_seqlens(use_triton):
     """q, k, v as views into one packed qkv projection (non-contiguous token stride); int64 cu_seqlens."""
     q, k, v, cu_q, cu_k, _ = make_case(2, 2, 16, layout=((6, 6), (0, 0), (9, 9)), seed=11)
@@ -208,8 +218,12 @@ def test_flash_attn_func_is_varlen_over_equal_lengths(causal):
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("d", [64, 128, 256])
-def test_triton_on_cuda_matches_oracle(dtype, d):
+@pytest.mark.parametrize("cu_dtype", [torch.int32, torch.int64])
+def test_triton_on_cuda_matches_oracle(dtype, d, cu_dtype):
+    """int64 cu_seqlens as well: compiled for the device, where the loop's integer types are checked (the CPU
+    interpreter does not check them)."""
     q, k, v, cu_q, cu_k, s_aux = make_case(8, 2, d, dtype, seed=seed_of("cuda", d), sinks=True)
+    cu_q, cu_k = cu_q.to(cu_dtype), cu_k.to(cu_dtype)
     out = varlen.varlen_attention(*(t.cuda() for t in (q, k, v, cu_q, cu_k)), 20, causal=True, s_aux=s_aux.cuda(),
                                   use_triton=True)
     check(out.cpu(), oracle(q, k, v, cu_q, cu_k, True, s_aux=s_aux), q, cu_q, dtype)

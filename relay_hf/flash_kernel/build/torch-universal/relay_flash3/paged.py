@@ -348,6 +348,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
         return torch.empty_like(q)
     # the kernels step along a table row and the lengths by one element (transformers' tensors already are so)
     block_table = block_table if block_table.stride(-1) == 1 else block_table.contiguous()
+    s_aux = s_aux if s_aux is None else s_aux.contiguous()  # the kernels read one sink per head, one after another
     args = (q, k_cache, v_cache, k, v, block_table, cache_seqlens.contiguous(), scale, softcap, s_aux)
     return paged_relay_triton(*args) if triton_serves(q) else paged_attention_torch(*args)
 

@@ -49,8 +49,9 @@ except ImportError:  # pragma: no cover - triton is a Linux dependency; without 
 TILES_16BIT = {64: (128, 64, 4, 3), 128: (64, 64, 4, 3), 256: (64, 32, 4, 2)}
 TILES_FP32 = {64: (64, 32, 4, 2), 128: (64, 32, 4, 2), 256: (32, 32, 4, 1)}
 TILES_INTERPRET = (16, 16, 1, 1)  # the CPU interpreter: small tiles, so short test sequences still span several
-# a program finds its tile in a prefix sum over this many sequences at a time: one value for every call (a
-# constexpr that followed the step's sequence count compiled the kernel again whenever a new count came)
+# a program finds its tile in a prefix sum over this many sequences at a time (a power of two: a tl.arange): one
+# value for every call (a constexpr that followed the step's sequence count compiled the kernel again whenever a new
+# count came)
 SEQUENCES_PER_PASS = 256
 
 LOG2E = 1.0 / math.log(2.0)  # exp(x) = exp2(x * LOG2E)
@@ -120,8 +121,8 @@ def _tile_of(CU_Q, t, n, TOKENS: tl.constexpr, BLOCK_S: tl.constexpr):
     for c0 in range(0, n, BLOCK_S):
         s = c0 + tl.arange(0, BLOCK_S)
         live = s < n
-        lo = tl.load(CU_Q + s, mask=live, other=0)
-        hi = tl.load(CU_Q + s + 1, mask=live, other=0)
+        lo = tl.load(CU_Q + s, mask=live, other=0).to(tl.int32)  # int64 cu_seqlens too: the loop's sums stay int32
+        hi = tl.load(CU_Q + s + 1, mask=live, other=0).to(tl.int32)
         tiles = tl.where(live, (hi - lo + TOKENS - 1) // TOKENS, 0)
         ends = before + tl.cumsum(tiles, 0)  # [BLOCK_S] the tile number after each sequence's last
         hit = (ends - tiles <= t) & (t < ends)
@@ -216,7 +217,7 @@ def _triton_forward(q, k, v, cu_q, cu_k, max_seqlen_q, scale, causal, softcap, s
     tiles_bound = q.shape[0] // tokens + n  # >= the sum of cdiv(Lq_i, tokens) over the sequences
     scale_log2 = LOG2E if softcap > 0 else scale * LOG2E  # with a cap the scale goes in before tanh, log2e after
     _varlen_kernel[(h_q // pack * tiles_bound,)](
-        q, k, v, out, cu_q, cu_k, q if s_aux is None else s_aux, *q.stride(), *k.stride(), *v.stride(),
+        q, k, v, out, cu_q, cu_k, q if s_aux is None else s_aux.contiguous(), *q.stride(), *k.stride(), *v.stride(),
         *out.stride(), n, h_q // pack, group, dim, scale_log2, float(softcap),
         scale / softcap if softcap > 0 else scale, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d,
         BLOCK_S=SEQUENCES_PER_PASS, PACK=pack, CAUSAL=bool(causal), SOFTCAP=softcap > 0, HAS_SINK=s_aux is not None,

@@ -265,7 +265,7 @@ def _paged_relay_triton(q, k_cache, v_cache, k, v, block_table, past, scale, sof
         ROWS_PER_TILE=rows_per_tile, BLOCK_M=max(16, _pow2(rows_per_tile * group)), SPLITS=s_prefix,
         BLOCK_N=keys(tiles.prefix_keys), num_warps=tiles.prefix_warps or warps, **stages(tiles.prefix_stages), **common)
     new_k, new_v = (k, v) if k is not None else (q, q)  # without a new token the pointers are never read
-    sinks = s_aux if s_aux is not None else plse
+    sinks = s_aux.contiguous() if s_aux is not None else plse  # the kernels read one sink per head, one after another
     paged_jit._suffix_kernel[(batch, kv_heads, s_suffix)](
         q, new_k, new_v, k_cache, v_cache, block_table, past, groups.bounds, po, plse, out, sinks, _st(q),
         _st(new_k), _st(new_v), k_cache.stride(), v_cache.stride(), po.stride(), plse.stride(), _st(out),
@@ -348,7 +348,6 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
         return torch.empty_like(q)
     # the kernels step along a table row and the lengths by one element (transformers' tensors already are so)
     block_table = block_table if block_table.stride(-1) == 1 else block_table.contiguous()
-    s_aux = s_aux if s_aux is None else s_aux.contiguous()  # the kernels read one sink per head, one after another
     args = (q, k_cache, v_cache, k, v, block_table, cache_seqlens.contiguous(), scale, softcap, s_aux)
     return paged_relay_triton(*args) if triton_serves(q) else paged_attention_torch(*args)
 

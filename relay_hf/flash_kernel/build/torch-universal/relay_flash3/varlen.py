@@ -215,10 +215,11 @@ def _triton_forward(q, k, v, cu_q, cu_k, max_seqlen_q, scale, causal, softcap, s
     pack = group if group <= block_m else 1  # a GQA group wider than the tile: one head per program
     tokens = block_m // pack
     tiles_bound = q.shape[0] // tokens + n  # >= the sum of cdiv(Lq_i, tokens) over the sequences
+    n_hg = h_q // pack  # head groups: programs per tile
     scale_log2 = LOG2E if softcap > 0 else scale * LOG2E  # with a cap the scale goes in before tanh, log2e after
-    _varlen_kernel[(h_q // pack * tiles_bound,)](
+    _varlen_kernel[(n_hg * tiles_bound,)](
         q, k, v, out, cu_q, cu_k, q if s_aux is None else s_aux.contiguous(), *q.stride(), *k.stride(), *v.stride(),
-        *out.stride(), n, h_q // pack, group, dim, scale_log2, float(softcap),
+        *out.stride(), n, n_hg, group, dim, scale_log2, float(softcap),
         scale / softcap if softcap > 0 else scale, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d,
         BLOCK_S=SEQUENCES_PER_PASS, PACK=pack, CAUSAL=bool(causal), SOFTCAP=softcap > 0, HAS_SINK=s_aux is not None,
         IEEE=q.dtype == torch.float32, DOT_F32=q.dtype == torch.bfloat16 and not q.is_cuda, num_warps=num_warps,

@@ -65,11 +65,13 @@ class _Constructors:
         return cls(model.config, kv, tree=tree, windows=windows)
 
     @classmethod
-    def from_tree(cls, model, tree: PrefixTree, store=None, depends=None, pending: list | None = None) -> RelayCache:
+    def from_tree(cls, model, tree: PrefixTree, store=None, depends=None, pending: list | None = None,
+                  launched: dict | None = None) -> RelayCache:
         """Prefill the segments of ``tree`` (roots at position 0, each child after its parent's KV) at batch 1 and
         pack them (``prefill.prefill_tree``; segments kept in ``store`` are not prefilled again: ``kept_tokens``
-        says how many tokens came from it; ``pending``: their checks' verdicts, left unread)."""
-        kv, windows, kept = prefill_tree(model, tree, store, depends, pending)
+        says how many tokens came from it; ``pending``: their checks' verdicts, left unread; ``launched``: checks
+        launched early, ``kept.launch_checks``)."""
+        kv, windows, kept = prefill_tree(model, tree, store, depends, pending, launched)
         cache = cls(model.config, kv, tree=tree, windows=windows)
         cache.kept_tokens = kept
         return cache

@@ -23,6 +23,7 @@ from __future__ import annotations
 import functools
 import logging
 import re
+import weakref
 from typing import NamedTuple
 
 import torch
@@ -101,11 +102,16 @@ class _Replay:
     """``_head_kv`` captured as a CUDA graph on its first replay (an eager forward of a few tokens through every layer
     is host-bound: ~25 ms on a 32-layer model on an H200, the replay reads the weights at memory speed). It reads the
     parameters' storage as it is at each replay (a write in place is seen); parameters, modules, hooks or plain values
-    replaced change ``store.kv_dependencies``, which drops the entry, and its graph with it. Capture fails: eager."""
+    replaced change ``store.kv_dependencies``, which drops the entry, and its graph with it. Capture fails: eager.
+
+    ``launch`` replays it before the call has walked the model (``kept.launch_checks``: the device runs the check
+    while the host decides), only where every parameter and buffer it read is still allocated where it was
+    (``_reads``): a graph reads by address, so a freed one could fault the device."""
 
     def __init__(self):
         self.graph = self.kv = self.ids = None
         self.eager = False
+        self.reads: tuple = ()  # (weakref, address) of each parameter and buffer the graph reads
 
     def __call__(self, model, head: torch.Tensor) -> torch.Tensor:
         if self.eager or model.device.type != "cuda":
@@ -114,14 +120,50 @@ class _Replay:
             self.ids = head.to(model.device)  # the graph's input, kept alive with it (no copy while capturing)
             try:
                 graph, kv = capture_graph(lambda: _head_kv(model, self.ids), model.device, warm_up=True)
+                reads = _reads(model)
             except Exception as err:  # noqa: BLE001 - any capture failure: the eager forward is the same check
                 logger.debug("relay_hf: the kept-prefix check runs eagerly: its capture failed: %s", err)
                 self.eager = True
                 return _head_kv(model, head)
-            self.graph, self.kv = graph, kv
+            self.graph, self.kv, self.reads = graph, kv, reads
         with torch.cuda.device(model.device):
             self.graph.replay()
         return self.kv
+
+    def launch(self, model) -> torch.Tensor | None:
+        """The replay's output, launched now and not read, or ``None`` where it cannot be launched before the walk:
+        not captured (yet, or ever), or a tensor it read is gone or moved (``allocated``)."""
+        if self.graph is None or not allocated(self.reads):
+            return None
+        with torch.cuda.device(model.device):
+            self.graph.replay()
+        return self.kv
+
+
+def _reads(model) -> tuple:
+    """``(weakref, where)`` of every parameter and buffer of ``model`` (``_where``): what a captured forward reads by
+    address."""
+    tensors = {id(t): t for t in (*model.parameters(), *model.buffers())}
+    return tuple((weakref.ref(t), _where(t)) for t in tensors.values())
+
+
+def _where(t: torch.Tensor) -> tuple[int, int]:
+    """``(address, bytes)`` of ``t``'s storage from its first element on (a ``DTensor``'s shard on this rank)."""
+    local = local_shard(t)
+    storage = local.untyped_storage()
+    return local.data_ptr(), storage.nbytes() - (local.data_ptr() - storage.data_ptr())
+
+
+def allocated(reads: tuple) -> bool:
+    """Whether every tensor of ``_reads`` is alive with as many bytes at the same address: what a graph read there
+    is still allocated (a dropped parameter, a ``.data`` swapped by ``model.to`` or for a smaller tensor, a storage
+    resized to nothing all fail this). Tensors a forward reads that are neither parameters nor buffers (a plain
+    tensor attribute) are not seen here, nor by ``store.kv_dependencies``."""
+    for ref, where in reads:
+        t = ref()
+        if t is None or _where(t) != where:
+            return False
+    return True
 
 
 def _partial(model, memo: dict) -> torch.Tensor:
@@ -178,9 +220,11 @@ class SegmentCheck(NamedTuple):
     def verdict(self, model, full_ids: torch.Tensor, memo: dict | None = None) -> torch.Tensor | bool:
         """Whether ``model`` as it is now gives this check's values, bit for bit, computed but not read: a 0-dim bool
         tensor on the model's device (or a ``bool`` the host already knows). Nothing here waits for the device, so a
-        caller can launch more work (its prefill) before it reads the answer."""
+        caller can launch more work (its prefill) before it reads the answer. A check ``launch``ed earlier in the
+        call (``memo["launched"]``) is compared, not run again."""
         memo = {} if memo is None else memo
-        head = self.replay(model, full_ids[:CHECK_TOKENS])
+        launched = memo.get("launched", {}).get(id(self.replay))  # by ``launch``, earlier in the call
+        head = self.replay(model, full_ids[:CHECK_TOKENS]) if launched is None else launched[1]
         pairs = [(self.head, head), (self.embedded, _embedded(model, self.own)), (self.partial, _partial(model, memo))]
         found = [_equal(a, b) for a, b in pairs]
         if any(f is False for f in found):
@@ -189,6 +233,15 @@ class SegmentCheck(NamedTuple):
         if not found:
             return True
         return torch.stack([f.to(found[0].device) for f in found]).all()
+
+    def launch(self, model) -> dict:
+        """This check's forward launched now, before the call walks the model, where it can be (``_Replay.launch``):
+        ``{id(replay): (replay, head)}`` for ``verdict``'s memo (``"launched"``), else ``{}``. It reads only
+        parameters and buffers still allocated where it read them (``allocated``), and a model changed in a way the
+        walk sees drops the entry before its verdict is asked for (``store.kv_dependencies``). The replay is held
+        with its output, so its graph outlives the launch."""
+        head = self.replay.launch(model)
+        return {} if head is None else {id(self.replay): (self.replay, head)}
 
     def holds(self, model, full_ids: torch.Tensor, memo: dict | None = None) -> bool:
         """Whether ``model`` as it is now gives this check's values, bit for bit (``verdict``, read now)."""

@@ -32,7 +32,7 @@ from transformers.generation.streamers import BaseStreamer
 from ._compat import cache_kwarg_name, output_cache
 from .cache import RelayCache
 from .decode import fast_generate
-from .kept import count_kept, kept_caches, tree_keys
+from .kept import count_kept, kept_caches, launch_checks, tree_keys
 from .policy import CACHE_NAMES, NOT_PATCHED, RelayDecision, Route, decide
 from .prefix import RowLayout, relay_layout
 from .sampling import loop_sampler
@@ -168,7 +168,7 @@ def _extend(rows_values, rows: int):
     return list(rows_values) + [rows_values[0]] * (rows - len(rows_values))
 
 
-def _run_relay(model, stock, call: dict, route: Route):
+def _run_relay(model, stock, call: dict, route: Route, launched: dict):
     grouping = route.grouping
     layout = relay_layout(route.ids, route.mask, route.n_pad, grouping.prefix_lengths(), route.suffix_columns)
     # before any kept prefix's check is launched: its device copies then wait for nothing of this call
@@ -182,21 +182,22 @@ def _run_relay(model, stock, call: dict, route: Route):
     with contextlib.nullcontext() if store is None else store.holding(tree_keys(grouping.tree)):
         if store is not None and route.fast_decode:
             try:
-                return _run_kept(model, stock, call, route, layout, store, sampler)
+                return _run_kept(model, stock, call, route, layout, store, sampler, launched)
             except StaleKept:  # what it computed is thrown away; run again as a failed check runs: prefilled
                 logger.debug("relay_hf: a kept prefix failed its check after the call took it; running it again")
-        (base,), _ = kept_caches(model, [grouping.tree], store, route.depends)
+                launched = {}  # their verdict is known: failed
+        (base,), _ = kept_caches(model, [grouping.tree], store, route.depends, launched=launched)
         return _run_relay_on(model, stock, call, route, layout, base, base.kept_tokens, sampler)
 
 
-def _run_kept(model, stock, call: dict, route: Route, layout, store, sampler):
+def _run_kept(model, stock, call: dict, route: Route, layout, store, sampler, launched: dict):
     """The call on relay_hf's loop, its kept segments' checks read only once its own prefill is launched (the
     device runs the check, then the prefill; the host waits once, before the first token is chosen or shown).
     ``StaleKept`` when one failed: its entry is dropped, the call's work (the pooled static cache's buffers) is
     left to be overwritten, and nothing reached the caller, its counters or its streamer."""
     pending = []
     try:
-        (base,), _ = kept_caches(model, [route.grouping.tree], store, route.depends, pending)
+        (base,), _ = kept_caches(model, [route.grouping.tree], store, route.depends, pending, launched)
         out = _run_relay_on(model, stock, call, route, layout, base, base.kept_tokens, sampler,
                             lambda: store.settle(pending))
         store.settle(pending)  # (read by the loop already)
@@ -260,8 +261,9 @@ def relay_generate(model, *args, **kwargs):
     """The patched ``generate``: same arguments and outputs as stock, relay attention when rows share a prefix."""
     stock = types.MethodType(type(model).generate, model)
     call = _bind(model, args, kwargs)
+    launched = {}  # kept segments' checks, run on the device while the host walks the model
     try:
-        route = decide(model, call)
+        route = decide(model, call, lambda grouping: launched.update(launch_checks(model, grouping.tree)))
     except ValueError as err:
         model.relay_last_decision = RelayDecision(False, f"invalid input: {err}")
         raise
@@ -271,14 +273,14 @@ def relay_generate(model, *args, **kwargs):
         logger.debug("relay_hf: stock generate (%s)", route.reason)
         if not route.expected:
             _warn_fallback(route)
-        kwargs = {k: v for k, v in kwargs.items() if not (k in CACHE_NAMES and isinstance(v, RelayCache))}
         if route.reason != NOT_PATCHED:
             relay_state(model).counters.add(stock_calls=1)
+        kwargs = {k: v for k, v in kwargs.items() if not (k in CACHE_NAMES and isinstance(v, RelayCache))}
         return stock(*args, **kwargs)
     logger.debug("relay_hf: relay generate, prefix %d tokens, %d rows, groups %s", route.prefix_length, route.rows,
                  decision.groups)
     try:
-        out, kept, step = _run_relay(model, stock, call, route)
+        out, kept, step = _run_relay(model, stock, call, route, launched)
     except BaseException as err:
         model.relay_last_decision = RelayDecision(False, f"relay run failed: {type(err).__name__}: {err}",
                                                   route.prefix_length, route.rows, route.static,

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from .cache import RelayCache
 from .policy import kept_dependencies
-from .prefill import segment_key
+from .prefill import KeptSegment, segment_key
 from .prefix import PrefixTree
 from .state import relay_state
 from .store import PrefixKey, PrefixStore
@@ -31,17 +31,29 @@ def tree_keys(tree: PrefixTree) -> list[PrefixKey]:
     return [segment_key(tree, j) for j in range(len(tree.ids))]
 
 
+def launch_checks(model, tree: PrefixTree) -> dict:
+    """The checks of ``tree``'s segments kept in the model's prefix store, launched on the device now
+    (``SegmentCheck.launch``): ``policy.decide`` calls for this before it walks the model, so the device runs them
+    while the host walks (a chat turn's first token comes that much sooner: docs/performance.md, the chat turn).
+    Returns what ``kept_caches`` takes as ``launched``; ``{}`` where none is kept or none can be launched (off CUDA).
+    What the call then finds is unchanged: a segment the walk finds stale is dropped, its launch thrown away."""
+    def launch(kept) -> dict:
+        return kept.check.launch(model) if isinstance(kept, KeptSegment) else {}
+
+    return relay_state(model).store.launch([segment_key(tree, j) for j in range(len(tree.ids))], launch)
+
+
 def kept_caches(model, trees: list[PrefixTree], store: PrefixStore | None, depends: object,
-                pending: list | None = None) -> tuple[list[RelayCache], list[PrefixKey]]:
+                pending: list | None = None, launched: dict | None = None) -> tuple[list[RelayCache], list[PrefixKey]]:
     """One ``RelayCache`` per tree, taken from ``store`` where kept (``prefix_store``'s answer; ``None``: prefilled,
     nothing kept), a prefix hit counted per tree that took kept tokens (``count_kept``); then the least recently used
     entries are dropped down to the store's budget, the trees' own segments excepted. Returns the caches and those
     segments' keys (for the call to hold while it runs). ``pending`` (a list): the kept segments' checks are left
     unread there (``prefill.prefill_tree``) and no hit is counted: the caller reads them (``PrefixStore.settle``),
-    then counts."""
+    then counts. ``launched``: checks the call launched early (``launch_checks``)."""
     caches, keys = [], []
     for tree in trees:
-        caches.append(RelayCache.from_tree(model, tree, store, depends, pending))
+        caches.append(RelayCache.from_tree(model, tree, store, depends, pending, launched))
         keys += tree_keys(tree)
     if pending is None:
         count_kept(model, caches)

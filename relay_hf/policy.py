@@ -25,6 +25,7 @@ the ``relay_hf`` logger); ``True`` for the ordinary cases (one row, a short pref
 from __future__ import annotations
 
 import inspect
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -273,10 +274,14 @@ def flash_fit_reason(model, cb_config) -> str | None:
 
 def kept_dependencies(model) -> Dependencies | None:
     """``store.kv_dependencies(model)`` (one walk of the model) when a call may read and keep prefixes in the model's
-    prefix store now (a budget, and no ``keep_reason``), else ``None``."""
-    if relay_state(model).store.budget_bytes == 0 or keep_reason(model) is not None:
-        return None
-    return kv_dependencies(model)
+    prefix store now (``keeps_prefixes``), else ``None``."""
+    return kv_dependencies(model) if keeps_prefixes(model) else None
+
+
+def keeps_prefixes(model) -> bool:
+    """Whether a call may read and keep prefixes in the model's prefix store now: a budget, and no
+    ``keep_reason``."""
+    return relay_state(model).store.budget_bytes != 0 and keep_reason(model) is None
 
 
 def keep_reason(model) -> str | None:
@@ -384,16 +389,19 @@ def user_cache(call: dict):
     return next((call[n] for n in CACHE_NAMES if call.get(n) is not None), None)
 
 
-def decide(model, call: dict) -> Route:
+def decide(model, call: dict, before_walk: Callable[[Grouping], None] | None = None) -> Route:
     """The route of one patched ``generate`` call (``call``: its arguments by name). Raises ``ValueError`` for input
-    stock would accept but that cannot be right (a ``RelayCache`` that does not fit the model or the rows)."""
+    stock would accept but that cannot be right (a ``RelayCache`` that does not fit the model or the rows).
+    ``before_walk(grouping)``: called once the call is known to run relay over ``grouping`` and read the prefix
+    store, before the model is walked (the caller launches the kept segments' checks there, so the device runs them
+    while the host walks)."""
     try:
-        return _decide(model, call)
+        return _decide(model, call, before_walk)
     except RunStock as why:
         return Route(False, str(why), expected=why.expected)
 
 
-def _decide(model, call: dict) -> Route:
+def _decide(model, call: dict, before_walk: Callable[[Grouping], None] | None) -> Route:
     eligible(model, call)
     gen = resolve(model, call)
     served_config(gen, call)
@@ -418,7 +426,10 @@ def _decide(model, call: dict) -> Route:
     why = rope_reason(model, grouping, T, n_pad, n_new)
     if why is not None:
         raise RunStock(why)
-    depends = kept_dependencies(model) if cache is None else None  # the call's one walk of the model
+    keeps = cache is None and keeps_prefixes(model)
+    if keeps and before_walk is not None:
+        before_walk(grouping)
+    depends = kv_dependencies(model) if keeps else None  # the call's one walk of the model
     static, compiled = static_shape(model, gen, cache, grouping, fast, depends)
     capacity = suffix = 0
     if static:  # rounded up so similar calls reuse one captured step

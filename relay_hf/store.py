@@ -407,6 +407,18 @@ class PrefixStore(BudgetStore):
             self._entries.move_to_end(key)
             return entry[0]
 
+    def launch(self, keys: Iterable[Hashable], launch: Callable[[object], dict]) -> dict:
+        """``launch(value)`` of each value kept for ``keys``, merged (``{}`` for none): a hit's check started before
+        ``get`` asks for its verdict. Under the lock, as ``get`` runs a check: one thread at a time replays a
+        check's graph. Nothing else changes (the LRU order, the counters)."""
+        launched: dict = {}
+        with self._lock:
+            for key in keys:
+                entry = self._entries.get(key)
+                if entry is not None:
+                    launched.update(launch(entry[0]))
+        return launched
+
     def settle(self, pending: list) -> None:
         """Read the verdicts ``get`` left in ``pending`` (the host waits for the device once), and empty it. An entry
         whose check failed is dropped as ``get`` drops a stale one, its hit uncounted, then ``StaleKept``."""

@@ -4,7 +4,7 @@ its KV, wherever the change lands and however it is made (no version counter mov
 import pytest
 import torch
 
-from relay_hf.freshness import CHECK_TOKENS, SegmentCheck, bit_sums, partial_reach
+from relay_hf.freshness import CHECK_TOKENS, SegmentCheck, _reads, allocated, bit_sums, partial_reach
 from tests.helpers import VOCAB, tiny_model
 
 IDS = torch.randint(3, VOCAB, (24,), generator=torch.Generator().manual_seed(0))
@@ -98,6 +98,46 @@ def test_bit_sums_see_a_swap_and_a_sign_change():
     assert torch.equal(bit_sums([t.to(torch.bfloat16)]), bit_sums([t.to(torch.bfloat16).clone()]))
 
 
+def _drop_a_parameter(m):  # the old one has no other reference: freed
+    m.model.layers[0].mlp.up_proj.weight = torch.nn.Parameter(m.model.layers[0].mlp.up_proj.weight.detach().clone())
+
+
+def _swap_its_data(m):  # what model.to(...) does to every parameter
+    m.model.layers[-1].self_attn.o_proj.weight.data = m.model.layers[-1].self_attn.o_proj.weight.data.clone()
+
+
+def _empty_its_storage(m):  # what sharded-parameter wrappers do between uses
+    m.model.norm.weight.data.untyped_storage().resize_(0)
+
+
+@pytest.mark.parametrize("change", [_drop_a_parameter, _swap_its_data, _empty_its_storage],
+                         ids=lambda f: f.__name__.strip("_"))
+def test_allocated_fails_once_a_tensor_a_graph_read_is_gone_or_moved(change):
+    """A captured check reads by address, so it is launched before the walk only while every parameter and buffer
+    it read is alive where it was (``allocated``); a write in place keeps them there (the check then sees it)."""
+    model = tiny_model("llama")
+    reads = _reads(model)
+    assert allocated(reads)
+    _data_write_in_last_layer(model)
+    assert allocated(reads)
+    change(model)
+    assert not allocated(reads)
+
+
+def test_a_verdict_reads_a_launched_head_instead_of_running_the_check():
+    """``verdict`` takes the head a call launched earlier (``memo["launched"]``, keyed by the check's replay) and
+    compares it as it would its own run: the recorded head passes, a head off by one bit fails. Off CUDA nothing
+    is captured, so nothing is launched."""
+    model = tiny_model("llama")
+    check = _record(model)
+    assert check.launch(model) == {}
+    launched = lambda head: {"launched": {id(check.replay): (check.replay, head)}}  # noqa: E731
+    assert bool(check.verdict(model, IDS, launched(check.head.clone())))
+    wrong = check.head.clone()
+    wrong.view(torch.int32)[5] ^= 1
+    assert not bool(check.verdict(model, IDS, launched(wrong)))
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("change", CHANGES, ids=lambda f: f.__name__.strip("_"))
 def test_on_cuda_the_check_replays_a_graph_that_sees_every_change_on_gpu(change):
@@ -107,3 +147,8 @@ def test_on_cuda_the_check_replays_a_graph_that_sees_every_change_on_gpu(change)
     assert check.replay.graph is not None and not check.replay.eager  # captured, replayed
     change(model)
     assert not check.holds(model, IDS)
+    launched = check.launch(model)  # alive where it was: launched, and it sees the change too
+    assert list(launched) == [id(check.replay)]
+    assert not check.holds(model, IDS, {"launched": launched})
+    _drop_a_parameter(model)
+    assert check.launch(model) == {}

@@ -2,13 +2,21 @@
 kept where they were, else prefilled and kept; a hit counted per tree that took kept tokens; the store trimmed to its
 budget with the call's own segments kept."""
 
+import copy
+import gc
+import weakref
+
+import pytest
 import torch
 
 import relay_hf
-from relay_hf.kept import kept_caches, prefix_store, tree_keys
+from relay_hf import policy
+from relay_hf.cache import RelayCache
+from relay_hf.freshness import SegmentCheck, _Replay
+from relay_hf.kept import kept_caches, launch_checks, prefix_store, tree_keys
 from relay_hf.prefix import PrefixTree
 from relay_hf.state import relay_state
-from tests.helpers import tiny_model
+from tests.helpers import VOCAB, tiny_model
 
 
 def _trees(*ranges) -> list[PrefixTree]:
@@ -48,3 +56,76 @@ def test_the_store_is_trimmed_to_its_budget_the_calls_own_segments_kept():
     _, old = kept_caches(model, _trees((10, 30)), *prefix_store(model))
     _, new = kept_caches(model, _trees((40, 52), (60, 80)), *prefix_store(model))
     assert relay_state(model).store.keys() == new and not set(old) & set(new)
+
+
+def test_a_call_under_a_kept_prompt_launches_its_check_before_the_walk(monkeypatch):
+    """``generate`` asks for the kept segments' checks once the call is known to read the store, before the walk
+    (on CUDA the device then runs them while the host walks; off CUDA nothing is captured, so none is launched);
+    not for a call that runs stock or brings its own cache."""
+    model = _patched()
+    prompt = torch.arange(10, 30)
+    relay_hf.pin(model, prompt)
+    events = []
+    launch, walk = SegmentCheck.launch, policy.kv_dependencies
+    monkeypatch.setattr(SegmentCheck, "launch", lambda self, m: events.append("launch") or launch(self, m))
+    monkeypatch.setattr(policy, "kv_dependencies", lambda m: events.append("walk") or walk(m))
+    ids = torch.cat([prompt, torch.arange(40, 45)])[None]
+    gen = dict(attention_mask=torch.ones_like(ids), max_new_tokens=2, do_sample=False)
+    model.generate(ids, **gen)
+    assert events == ["launch", "walk"] and model.relay_last_decision.prefix_kept == 20
+    assert launch_checks(model, PrefixTree.from_prefixes([prompt])) == {}  # off CUDA: nothing captured
+    events.clear()
+    model.generate(ids, **gen, output_attentions=True)  # stock
+    assert not model.relay_last_decision.used
+    cache = RelayCache.from_prefixes(model, [prompt])
+    model.generate(ids, **gen, past_key_values=cache)  # the caller's cache: the store is not read
+    assert model.relay_last_decision.used and events == [], events
+
+
+@pytest.mark.gpu
+def test_a_turn_launches_its_kept_prompts_check_before_the_walk_on_gpu(monkeypatch):
+    """fp32 on CUDA: a one-row turn under a pinned prompt launches the prompt's check before the call walks the
+    model, and the verdict reads that launch (the check's forward runs once a call); the tokens are stock's. After a
+    write in place the launched check fails and the call runs again on the prompt prefilled anew; after a parameter
+    is dropped nothing is launched (what the graph read is gone) and the walk drops the entry. Stock's tokens each
+    time (a copy of the model changed the same way)."""
+    model = tiny_model("llama").cuda()
+    stock = copy.deepcopy(model)
+    g = torch.Generator().manual_seed(5)
+    prompt = torch.randint(3, VOCAB, (40,), generator=g)
+    row = torch.cat([prompt, torch.randint(3, VOCAB, (9,), generator=g)])[None].cuda()
+    gen = dict(attention_mask=torch.ones_like(row), max_new_tokens=5, do_sample=False)
+    relay_hf.patch(model)
+    relay_hf.pin(model, prompt)
+    events = []
+    launch, replay, walk = _Replay.launch, _Replay.__call__, policy.kv_dependencies
+
+    def spy_launch(self, m):
+        head = launch(self, m)
+        events.append(("launch", head is not None))
+        return head
+
+    monkeypatch.setattr(_Replay, "launch", spy_launch)
+    monkeypatch.setattr(_Replay, "__call__", lambda self, m, head: events.append("replay") or replay(self, m, head))
+    monkeypatch.setattr(policy, "kv_dependencies", lambda m: events.append("walk") or walk(m))
+
+    def turn(expected_events, kept):
+        events.clear()
+        assert torch.equal(model.generate(row, **gen), stock.generate(row, **gen))
+        assert model.relay_last_decision.prefix_kept == kept
+        assert events[:len(expected_events)] == expected_events, events
+
+    turn([("launch", True), "walk"], kept=40)
+    assert "replay" not in events  # the verdict read the launched check
+    for m in (model, stock):
+        m.model.layers[-1].self_attn.k_proj.weight.data[3] += 0.1
+    stale = relay_state(model).store.stale
+    turn([("launch", True), "walk"], kept=0)
+    assert relay_state(model).store.stale == stale + 1
+    old = weakref.ref(model.model.layers[0].mlp.up_proj.weight)
+    for m in (model, stock):
+        m.model.layers[0].mlp.up_proj.weight = torch.nn.Parameter(m.model.layers[0].mlp.up_proj.weight.detach().clone())
+    gc.collect()
+    assert old() is None  # nothing of relay_hf's holds the model's parameters
+    turn([("launch", False), "walk"], kept=0)
+

@@ -21,6 +21,18 @@ def test_a_miss_builds_a_hit_does_not():
     assert built == ["a"] and (store.hits, store.misses) == (1, 1)
 
 
+def test_launch_runs_for_kept_values_only_and_changes_nothing():
+    """``launch`` starts the checks of the kept values among ``keys`` (a call's segments, before ``get``), merging
+    what each returns; the LRU order and the counters stay as they were."""
+    store = _store()
+    store.get("a", 0, lambda: b"x" * 10)
+    store.get("b", 0, lambda: b"y" * 20)
+    seen = []
+    assert store.launch(["b", "c", "a"], lambda v: seen.append(v) or {len(v): v}) == {20: b"y" * 20, 10: b"x" * 10}
+    assert seen == [b"y" * 20, b"x" * 10]
+    assert store.keys() == ["a", "b"] and (store.hits, store.misses) == (0, 2)
+
+
 def test_least_recently_used_go_first_down_to_the_budget():
     store = _store(100)
     for key in "abc":

@@ -49,8 +49,8 @@ def test_a_call_laid_out_at_more_suffix_columns_gives_stock_tokens(monkeypatch, 
     ids, mask, _ = shared_prefix_batch(suffix_lens=(3, 9, 1), seed=70)
     real = generate_module.decide
 
-    def widened(model, call):
-        route = real(model, call)
+    def widened(model, call, *rest):
+        route = real(model, call, *rest)
         return dataclasses.replace(route, suffix_columns=route.suffix_columns + 13,
                                    static_capacity=route.static_capacity + 16) if route.static else route
 

@@ -111,7 +111,7 @@ class _Replay:
     def __init__(self):
         self.graph = self.kv = self.ids = None
         self.eager = False
-        self.reads: tuple = ()  # (weakref, address) of each parameter and buffer the graph reads
+        self.reads: tuple | None = ()  # (weakref, where) of each parameter and buffer the graph reads (``_reads``)
 
     def __call__(self, model, head: torch.Tensor) -> torch.Tensor:
         if self.eager or model.device.type != "cuda":
@@ -120,12 +120,11 @@ class _Replay:
             self.ids = head.to(model.device)  # the graph's input, kept alive with it (no copy while capturing)
             try:
                 graph, kv = capture_graph(lambda: _head_kv(model, self.ids), model.device, warm_up=True)
-                reads = _reads(model)
             except Exception as err:  # noqa: BLE001 - any capture failure: the eager forward is the same check
                 logger.debug("relay_hf: the kept-prefix check runs eagerly: its capture failed: %s", err)
                 self.eager = True
                 return _head_kv(model, head)
-            self.graph, self.kv, self.reads = graph, kv, reads
+            self.graph, self.kv, self.reads = graph, kv, _reads(model)
         with torch.cuda.device(model.device):
             self.graph.replay()
         return self.kv
@@ -133,18 +132,22 @@ class _Replay:
     def launch(self, model) -> torch.Tensor | None:
         """The replay's output, launched now and not read, or ``None`` where it cannot be launched before the walk:
         not captured (yet, or ever), or a tensor it read is gone or moved (``allocated``)."""
-        if self.graph is None or not allocated(self.reads):
+        if self.graph is None or self.reads is None or not allocated(self.reads):
             return None
         with torch.cuda.device(model.device):
             self.graph.replay()
         return self.kv
 
 
-def _reads(model) -> tuple:
+def _reads(model) -> tuple | None:
     """``(weakref, where)`` of every parameter and buffer of ``model`` (``_where``): what a captured forward reads by
-    address."""
+    address; ``None`` where one has no storage of its own to locate (a wrapper tensor subclass): its check is then
+    never launched before the walk."""
     tensors = {id(t): t for t in (*model.parameters(), *model.buffers())}
-    return tuple((weakref.ref(t), _where(t)) for t in tensors.values())
+    try:
+        return tuple((weakref.ref(t), _where(t)) for t in tensors.values())
+    except (RuntimeError, NotImplementedError, TypeError):
+        return None
 
 
 def _where(t: torch.Tensor) -> tuple[int, int]:

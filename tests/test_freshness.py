@@ -124,6 +124,23 @@ def test_allocated_fails_once_a_tensor_a_graph_read_is_gone_or_moved(change):
     assert not allocated(reads)
 
 
+class _NoStorage(torch.Tensor):  # a wrapper subclass (as quantized weights are): no storage of its own to locate
+    @staticmethod
+    def __new__(cls, inner):
+        return torch.Tensor._make_wrapper_subclass(cls, inner.shape, dtype=inner.dtype, device=inner.device)
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        raise NotImplementedError
+
+
+def test_a_model_with_a_tensor_it_cannot_locate_is_never_launched_early():
+    model = tiny_model("llama")
+    assert _reads(model) is not None
+    model.model.register_buffer("opaque", _NoStorage(torch.zeros(3)), persistent=False)
+    assert _reads(model) is None  # its checks then run after the walk only (``_Replay.launch`` refuses)
+
+
 def test_a_verdict_reads_a_launched_head_instead_of_running_the_check():
     """``verdict`` takes the head a call launched earlier (``memo["launched"]``, keyed by the check's replay) and
     compares it as it would its own run: the recorded head passes, a head off by one bit fails. Off CUDA nothing

@@ -171,7 +171,8 @@ def _extend(rows_values, rows: int):
 def _run_relay(model, stock, call: dict, route: Route, launched: dict):
     grouping = route.grouping
     layout = relay_layout(route.ids, route.mask, route.n_pad, grouping.prefix_lengths(), route.suffix_columns)
-    # before any kept prefix's check is launched: its device copies then wait for nothing of this call
+    # before the kept prefixes' checks are compared (a check launched before the walk, kept.launch_checks, may still
+    # run: the sampler's device copies then wait for it)
     sampler = loop_sampler(model, route.gen, route.ids, route.processors) if route.fast_decode else None
     if route.user_cache is not None:
         return _run_relay_on(model, stock, call, route, layout, route.user_cache, 0, sampler)
@@ -273,9 +274,9 @@ def relay_generate(model, *args, **kwargs):
         logger.debug("relay_hf: stock generate (%s)", route.reason)
         if not route.expected:
             _warn_fallback(route)
+        kwargs = {k: v for k, v in kwargs.items() if not (k in CACHE_NAMES and isinstance(v, RelayCache))}
         if route.reason != NOT_PATCHED:
             relay_state(model).counters.add(stock_calls=1)
-        kwargs = {k: v for k, v in kwargs.items() if not (k in CACHE_NAMES and isinstance(v, RelayCache))}
         return stock(*args, **kwargs)
     logger.debug("relay_hf: relay generate, prefix %d tokens, %d rows, groups %s", route.prefix_length, route.rows,
                  decision.groups)

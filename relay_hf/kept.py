@@ -40,7 +40,7 @@ def launch_checks(model, tree: PrefixTree) -> dict:
     def launch(kept) -> dict:
         return kept.check.launch(model) if isinstance(kept, KeptSegment) else {}
 
-    return relay_state(model).store.launch([segment_key(tree, j) for j in range(len(tree.ids))], launch)
+    return relay_state(model).store.launch(tree_keys(tree), launch)
 
 
 def kept_caches(model, trees: list[PrefixTree], store: PrefixStore | None, depends: object,

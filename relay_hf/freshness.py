@@ -20,6 +20,7 @@ skipped), one embedding lookup, and a read of (c)'s parameters where the model h
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import re
@@ -104,28 +105,41 @@ class _Replay:
     parameters' storage as it is at each replay (a write in place is seen); parameters, modules, hooks or plain values
     replaced change ``store.kv_dependencies``, which drops the entry, and its graph with it. Capture fails: eager.
 
+    Captured, it runs on a stream of its own (``stream``), after what the caller queued before it (a write to a
+    parameter included), beside what the caller queues after it: a chat turn's own prefill runs while the check does
+    (docs/performance.md, the chat turn). ``__call__`` makes the caller's stream wait for it; ``run`` does not.
+
     ``launch`` replays it before the call has walked the model (``kept.launch_checks``: the device runs the check
     while the host decides), only where every parameter and buffer it read is still allocated where it was
     (``_reads``): a graph reads by address, so a freed one could fault the device."""
 
     def __init__(self):
-        self.graph = self.kv = self.ids = None
+        self.graph = self.kv = self.ids = self.stream = None
         self.eager = False
         self.reads: tuple | None = ()  # (weakref, where) of each parameter and buffer the graph reads (``_reads``)
 
     def __call__(self, model, head: torch.Tensor) -> torch.Tensor:
+        kv = self.run(model, head)
+        if self.stream is not None:
+            torch.cuda.current_stream(model.device).wait_stream(self.stream)
+        return kv
+
+    def run(self, model, head: torch.Tensor) -> torch.Tensor:
+        """``_head_kv(model, head)``: replayed on ``stream`` once captured (the caller's stream not made to wait),
+        else eager on the caller's stream."""
         if self.eager or model.device.type != "cuda":
             return _head_kv(model, head)
         if self.graph is None:
             self.ids = head.to(model.device)  # the graph's input, kept alive with it (no copy while capturing)
+            stream = torch.cuda.Stream(model.device)
             try:
-                graph, kv = capture_graph(lambda: _head_kv(model, self.ids), model.device, warm_up=True)
+                graph, kv = capture_graph(lambda: _head_kv(model, self.ids), model.device, warm_up=True, stream=stream)
             except Exception as err:  # noqa: BLE001 - any capture failure: the eager forward is the same check
                 logger.debug("relay_hf: the kept-prefix check runs eagerly: its capture failed: %s", err)
                 self.eager = True
                 return _head_kv(model, head)
-            self.graph, self.kv, self.reads = graph, kv, _reads(model)
-        with torch.cuda.device(model.device):
+            self.graph, self.kv, self.reads, self.stream = graph, kv, _reads(model), stream
+        with self.on_stream(model):
             self.graph.replay()
         return self.kv
 
@@ -134,9 +148,44 @@ class _Replay:
         not captured (yet, or ever), or a tensor it read is gone or moved (``allocated``)."""
         if self.graph is None or self.reads is None or not allocated(self.reads):
             return None
-        with torch.cuda.device(model.device):
+        with self.on_stream(model):
             self.graph.replay()
         return self.kv
+
+    @contextlib.contextmanager
+    def on_stream(self, model, reads: tuple = ()):
+        """Work queued on ``stream`` (after the caller's, which does not wait for it), or on the caller's stream
+        where there is none. ``reads``: tensors of the caller's it reads, kept from reuse until it has."""
+        if self.stream is None:
+            yield
+            return
+        with torch.cuda.device(model.device):
+            self.stream.wait_stream(torch.cuda.current_stream())
+            for t in reads:
+                if t.is_cuda:
+                    t.record_stream(self.stream)
+            with torch.cuda.stream(self.stream):
+                yield
+
+    def answer(self, found: torch.Tensor) -> torch.Tensor | _Answer:
+        """``found`` (a 0-dim bool tensor queued within ``on_stream``) as the caller reads it: an ``_Answer`` that
+        waits for ``stream`` alone, or ``found`` itself where there is no stream of its own."""
+        return found if self.stream is None else _Answer(found, self.stream)
+
+
+class _Answer:
+    """A check's verdict queued on its replay's stream: ``bool()`` waits for that stream up to it, not for what the
+    caller queued since (its prefill)."""
+
+    def __init__(self, found: torch.Tensor, stream: torch.cuda.Stream):
+        self.host = torch.empty((), dtype=torch.bool, pin_memory=True)
+        self.host.copy_(found, non_blocking=True)  # (queued on ``stream``: ``_Replay.on_stream``)
+        self.done = torch.cuda.Event()
+        self.done.record(stream)
+
+    def __bool__(self) -> bool:
+        self.done.synchronize()
+        return bool(self.host)
 
 
 def _reads(model) -> tuple | None:
@@ -220,22 +269,27 @@ class SegmentCheck(NamedTuple):
         return cls(memo[key][0], _embedded(model, own), _partial(model, memo), memo[key][1], own)
 
     @torch.no_grad()
-    def verdict(self, model, full_ids: torch.Tensor, memo: dict | None = None) -> torch.Tensor | bool:
+    def verdict(self, model, full_ids: torch.Tensor, memo: dict | None = None) -> torch.Tensor | bool | _Answer:
         """Whether ``model`` as it is now gives this check's values, bit for bit, computed but not read: a 0-dim bool
-        tensor on the model's device (or a ``bool`` the host already knows). Nothing here waits for the device, so a
-        caller can launch more work (its prefill) before it reads the answer. A check ``launch``ed earlier in the
-        call (``memo["launched"]``) is compared, not run again."""
+        tensor on the model's device, or an ``_Answer`` queued on the check's own stream (a captured check), or a
+        ``bool`` the host already knows. Nothing here waits for the device, and the caller's stream does not wait for
+        the check, so a caller can launch more work (its prefill) before it reads the answer (``bool()``). A check
+        ``launch``ed earlier in the call (``memo["launched"]``) is compared, not run again."""
         memo = {} if memo is None else memo
         launched = memo.get("launched", {}).get(id(self.replay))  # by ``launch``, earlier in the call
-        head = self.replay(model, full_ids[:CHECK_TOKENS]) if launched is None else launched[1]
-        pairs = [(self.head, head), (self.embedded, _embedded(model, self.own)), (self.partial, _partial(model, memo))]
-        found = [_equal(a, b) for a, b in pairs]
-        if any(f is False for f in found):
-            return False
-        found = [f for f in found if f is not True]
-        if not found:
-            return True
-        return torch.stack([f.to(found[0].device) for f in found]).all()
+        head = self.replay.run(model, full_ids[:CHECK_TOKENS]) if launched is None else launched[1]
+        with self.replay.on_stream(model, reads=(self.head, self.embedded, self.partial, self.own)):
+            partial = _partial(model, memo)  # here, or earlier in the call on the caller's stream (waited for)
+            if partial.is_cuda:
+                partial.record_stream(torch.cuda.current_stream())
+            pairs = [(self.head, head), (self.embedded, _embedded(model, self.own)), (self.partial, partial)]
+            found = [_equal(a, b) for a, b in pairs]
+            if any(f is False for f in found):
+                return False
+            found = [f for f in found if f is not True]
+            if not found:
+                return True
+            return self.replay.answer(torch.stack([f.to(found[0].device) for f in found]).all())
 
     def launch(self, model) -> dict:
         """This check's forward launched now, before the call walks the model, where it can be (``_Replay.launch``):

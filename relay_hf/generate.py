@@ -32,7 +32,7 @@ from transformers.generation.streamers import BaseStreamer
 from ._compat import cache_kwarg_name, output_cache
 from .cache import RelayCache
 from .decode import fast_generate
-from .kept import count_kept, kept_caches, launch_checks, tree_keys
+from .kept import count_kept, join_checks, kept_caches, launch_checks, tree_keys
 from .policy import CACHE_NAMES, NOT_PATCHED, RelayDecision, Route, decide
 from .prefix import RowLayout, relay_layout
 from .sampling import loop_sampler
@@ -171,8 +171,6 @@ def _extend(rows_values, rows: int):
 def _run_relay(model, stock, call: dict, route: Route, launched: dict):
     grouping = route.grouping
     layout = relay_layout(route.ids, route.mask, route.n_pad, grouping.prefix_lengths(), route.suffix_columns)
-    # before the kept prefixes' checks are compared (a check launched before the walk, kept.launch_checks, may still
-    # run: the sampler's device copies then wait for it)
     sampler = loop_sampler(model, route.gen, route.ids, route.processors) if route.fast_decode else None
     if route.user_cache is not None:
         return _run_relay_on(model, stock, call, route, layout, route.user_cache, 0, sampler)
@@ -260,9 +258,16 @@ def _run_relay_on(model, stock, call: dict, route: Route, layout, base: RelayCac
 
 def relay_generate(model, *args, **kwargs):
     """The patched ``generate``: same arguments and outputs as stock, relay attention when rows share a prefix."""
+    launched = {}  # kept segments' checks, run on the device while the host walks the model
+    try:
+        return _generate(model, args, kwargs, launched)
+    finally:
+        join_checks(model, launched)  # a call that ended before reading them (an error, a stock route)
+
+
+def _generate(model, args: tuple, kwargs: dict, launched: dict):
     stock = types.MethodType(type(model).generate, model)
     call = _bind(model, args, kwargs)
-    launched = {}  # kept segments' checks, run on the device while the host walks the model
     try:
         route = decide(model, call, lambda grouping: launched.update(launch_checks(model, grouping.tree)))
     except ValueError as err:

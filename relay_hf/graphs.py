@@ -62,10 +62,12 @@ def on_side_stream(fn: Callable[[], T], device: torch.device) -> T:
             torch.cuda.current_stream().wait_stream(side)
 
 
-def capture_graph(fn: Callable[[], T], device: torch.device, warm_up: bool = False,
-                  pool=None) -> tuple[torch.cuda.CUDAGraph, T]:
+def capture_graph(fn: Callable[[], T], device: torch.device, warm_up: bool = False, pool=None,
+                  stream: torch.cuda.Stream | None = None) -> tuple[torch.cuda.CUDAGraph, T]:
     """``fn`` recorded as a CUDA graph on ``device`` (whichever device is current), after one eager run on a side
-    stream when ``warm_up``, in the memory ``pool`` of graphs it never runs beside (``None``: a pool of its own).
+    stream when ``warm_up``, in the memory ``pool`` of graphs it never runs beside (``None``: a pool of its own),
+    on ``stream`` (``None``: torch's capture stream). A graph replayed beside others gets a stream of its own: the
+    matrix products it records use that stream's cuBLAS workspace, which graphs recorded on one stream share.
     Returns the graph, not yet replayed, and what ``fn`` returned while recording (tensors the graph's replays
     write). Raises what the warm-up or the capture raised: nothing runs while recording, so what ``fn`` would change
     is intact then, and the caller decides what a failure means."""
@@ -75,6 +77,6 @@ def capture_graph(fn: Callable[[], T], device: torch.device, warm_up: bool = Fal
         graph = torch.cuda.CUDAGraph()
         # thread_local: another thread's eager work on the model (a concurrent stock call, a prefill, a decode step)
         # neither breaks this capture nor is refused while it runs
-        with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
+        with torch.cuda.graph(graph, pool=pool, stream=stream, capture_error_mode="thread_local"):
             out = fn()
     return graph, out

@@ -10,6 +10,8 @@ they were hits.
 
 from __future__ import annotations
 
+import torch
+
 from .cache import RelayCache
 from .policy import kept_dependencies
 from .prefill import KeptSegment, segment_key
@@ -41,6 +43,14 @@ def launch_checks(model, tree: PrefixTree) -> dict:
         return kept.check.launch(model) if isinstance(kept, KeptSegment) else {}
 
     return relay_state(model).store.launch(tree_keys(tree), launch)
+
+
+def join_checks(model, launched: dict) -> None:
+    """The caller's stream made to wait for the checks ``launch_checks`` launched (``launched``, its answer): a call
+    that ends before reading them leaves no check running on its own stream past it. Nothing waits on the host."""
+    for replay, _ in launched.values():
+        if replay.stream is not None:
+            torch.cuda.current_stream(model.device).wait_stream(replay.stream)
 
 
 def kept_caches(model, trees: list[PrefixTree], store: PrefixStore | None, depends: object,

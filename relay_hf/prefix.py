@@ -25,6 +25,8 @@ from dataclasses import dataclass
 
 import torch
 
+from .host import to_device
+
 
 def left_padding(attention_mask: torch.Tensor) -> torch.Tensor | None:
     """Pads in front of each row ``[B]``, or ``None`` if some row is not of the form ``0..0 1..1`` with >= 1 token."""
@@ -36,7 +38,7 @@ def left_padding(attention_mask: torch.Tensor) -> torch.Tensor | None:
 
 def _aligned_tokens(input_ids: torch.Tensor, n_pad: torch.Tensor, length: int) -> torch.Tensor:
     """``[B, length]``: the first ``length`` real tokens of every row."""
-    idx = n_pad[:, None] + torch.arange(length, device=input_ids.device)[None]
+    idx = n_pad.to(input_ids.device)[:, None] + torch.arange(length, device=input_ids.device)[None]
     return input_ids.gather(1, idx)
 
 
@@ -390,19 +392,23 @@ def relay_layout(input_ids: torch.Tensor, mask: torch.Tensor, n_pad: torch.Tenso
     """Lay left-padded rows out for relay: row ``b``'s first ``prefix_lengths[b]`` real tokens in the prefix columns,
     its remaining ones right-aligned after them (module docstring), in at least ``suffix_columns`` suffix columns (a
     recorded prefill's length: more masked columns in front). Masked columns hold the batch's own pad token (``0``
-    when nothing is padded)."""
+    when nothing is padded).
+
+    Worked out on the host from ``n_pad`` (``[B]``; its CPU copy), the device only gathering the ids: nothing here
+    waits for work the call queued before it (a kept prefix's check, ``kept.launch_checks``)."""
     B, T = input_ids.shape
     dev = input_ids.device
-    P_b = torch.as_tensor(prefix_lengths, device=dev).long().reshape(-1).expand(B)
-    s_b = T - n_pad.to(dev) - P_b  # [B] suffix tokens
+    n_pad = n_pad.to("cpu", torch.int64)
+    P_b = torch.as_tensor(prefix_lengths).to("cpu", torch.int64).reshape(-1).expand(B)
+    s_b = T - n_pad - P_b  # [B] suffix tokens
     P, S = int(P_b.max()), max(int(s_b.max()), suffix_columns)
     cols = P + S
-    j = torch.arange(cols, device=dev)[None]  # [1, cols]
+    j = torch.arange(cols)[None]  # [1, cols]
     in_prefix = j < P_b[:, None]
-    in_suffix = j >= cols - s_b[:, None]
-    src = torch.where(in_prefix, n_pad.to(dev)[:, None] + j, j - (cols - T)).clamp(0, T - 1)
-    pads = mask == 0
-    fill = input_ids[pads][:1] if bool(pads.any()) else torch.zeros(1, dtype=input_ids.dtype, device=dev)
-    valid = in_prefix | in_suffix
+    valid = in_prefix | (j >= cols - s_b[:, None])  # [B, cols]
+    src = torch.where(in_prefix, n_pad[:, None] + j, j - (cols - T)).clamp(0, T - 1)  # [B, cols]
+    padded = torch.nonzero(n_pad).flatten()[:1].tolist()  # the first padded row: its column 0 is the first pad
+    fill = input_ids[padded[0], :1] if padded else torch.zeros(1, dtype=input_ids.dtype, device=dev)
+    valid, src, pads = (to_device(t, dev) for t in (valid, src, (S - s_b).long()))
     ids = torch.where(valid, input_ids.gather(1, src), fill)
-    return RowLayout(ids, valid.to(mask.dtype), (S - s_b).long(), P, input_ids)
+    return RowLayout(ids, valid.to(mask.dtype), pads, P, input_ids)

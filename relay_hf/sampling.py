@@ -22,6 +22,7 @@ from transformers import GenerationConfig
 
 from ._compat import logits_processors
 from .graphs import Eager, Pending
+from .host import to_device
 
 # stock's processors that read nothing but the scores and never wait for the device: the loop calls them as they are
 _SCORE_ONLY = {"TemperatureLogitsWarper", "TopKLogitsWarper", "TopPLogitsWarper", "MinPLogitsWarper",
@@ -111,7 +112,7 @@ def loop_sampler(model, gen: GenerationConfig, ids: torch.Tensor, processors: Lo
     eos, eos_list = None, None
     if gen.eos_token_id is not None:
         eos_list = torch.tensor(gen.eos_token_id).reshape(-1).tolist()  # on the host: the key reads no device value
-        eos_ids = torch.tensor(eos_list, device=model.device)
+        eos_ids = to_device(torch.tensor(eos_list), model.device)
         # isin, as stock's processors and criterion match: an id outside the vocabulary never matches
         eos = eos_ids, torch.isin(torch.arange(vocab, device=model.device), eos_ids)
     # stock's _prepare_generated_length: min_new_tokens, when set, replaces min_length (as min_new_tokens + T)

@@ -169,3 +169,28 @@ def test_on_cuda_the_check_replays_a_graph_that_sees_every_change_on_gpu(change)
     assert not check.holds(model, IDS, {"launched": launched})
     _drop_a_parameter(model)
     assert check.launch(model) == {}
+
+
+@pytest.mark.gpu
+def test_on_cuda_the_check_runs_on_its_own_stream_after_what_the_caller_queued_on_gpu():
+    """A captured check replays on a stream of its own, beside the caller's (which does not wait for it), yet after
+    what the caller queued before it: a write to a parameter held back behind a long kernel is still seen."""
+    model = tiny_model("llama").cuda()
+    check = _record(model)
+    assert check.holds(model, IDS)
+    caller = torch.cuda.current_stream()
+    assert check.replay.stream is not None and check.replay.stream != caller
+    for launch in (False, True):
+        torch.cuda.synchronize()
+        weight = model.model.layers[0].self_attn.k_proj.weight
+        kept = weight.detach().clone()
+        torch.cuda._sleep(200_000_000)  # the write below runs long after the host has queued the check
+        with torch.no_grad():
+            weight.data.add_(1.0)
+        memo = {"launched": check.launch(model)} if launch else {}
+        answer = check.verdict(model, IDS, memo)
+        assert not isinstance(answer, (bool, torch.Tensor))  # read by waiting on the check's stream only
+        assert not bool(answer)
+        with torch.no_grad():
+            weight.data.copy_(kept)
+        assert check.holds(model, IDS)

@@ -10,12 +10,14 @@ import pytest
 import torch
 
 import relay_hf
+import relay_hf.generate as generate
 from relay_hf import policy
 from relay_hf.cache import RelayCache
 from relay_hf.freshness import SegmentCheck, _Replay
 from relay_hf.kept import kept_caches, launch_checks, prefix_store, tree_keys
 from relay_hf.prefix import PrefixTree
 from relay_hf.state import relay_state
+from relay_hf.store import PrefixStore
 from tests.helpers import VOCAB, tiny_model
 
 
@@ -98,7 +100,7 @@ def test_a_turn_launches_its_kept_prompts_check_before_the_walk_on_gpu(monkeypat
     relay_hf.patch(model)
     relay_hf.pin(model, prompt)
     events = []
-    launch, replay, walk = _Replay.launch, _Replay.__call__, policy.kv_dependencies
+    launch, replay, walk = _Replay.launch, _Replay.run, policy.kv_dependencies
 
     def spy_launch(self, m):
         head = launch(self, m)
@@ -106,7 +108,7 @@ def test_a_turn_launches_its_kept_prompts_check_before_the_walk_on_gpu(monkeypat
         return head
 
     monkeypatch.setattr(_Replay, "launch", spy_launch)
-    monkeypatch.setattr(_Replay, "__call__", lambda self, m, head: events.append("replay") or replay(self, m, head))
+    monkeypatch.setattr(_Replay, "run", lambda self, m, head: events.append("replay") or replay(self, m, head))
     monkeypatch.setattr(policy, "kv_dependencies", lambda m: events.append("walk") or walk(m))
 
     def turn(expected_events, kept):
@@ -129,3 +131,41 @@ def test_a_turn_launches_its_kept_prompts_check_before_the_walk_on_gpu(monkeypat
     assert old() is None  # nothing of relay_hf's holds the model's parameters
     turn([("launch", False), "walk"], kept=0)
 
+
+
+@pytest.mark.gpu
+def test_nothing_between_a_turns_launch_and_its_verdict_waits_for_the_device_on_gpu(monkeypatch):
+    """fp32 on CUDA: from the launch of a pinned prompt's check to the reading of its verdict (after the turn's own
+    prefill is queued), the host never waits for the device (torch's sync debug mode raises on any wait), so the
+    check runs while the host lays the call out; the tokens are stock's."""
+    model = tiny_model("llama").cuda()
+    stock = copy.deepcopy(model)
+    g = torch.Generator().manual_seed(6)
+    prompt = torch.randint(3, VOCAB, (40,), generator=g)
+    row = torch.cat([prompt, torch.randint(3, VOCAB, (9,), generator=g)])[None].cuda()
+    gen = dict(attention_mask=torch.ones_like(row), max_new_tokens=4, do_sample=False)
+    relay_hf.patch(model)
+    relay_hf.pin(model, prompt)
+    expected = stock.generate(row, **gen)
+    assert torch.equal(model.generate(row, **gen), expected)  # the first turn records what later turns replay
+    launch, settle, seen = generate.launch_checks, PrefixStore.settle, []
+
+    def launch_then_watch(m, tree):
+        launched = launch(m, tree)
+        seen.append(bool(launched))
+        torch.cuda.set_sync_debug_mode("error")
+        return launched
+
+    def stop_watching(self, pending):
+        torch.cuda.set_sync_debug_mode(0)
+        return settle(self, pending)
+
+    monkeypatch.setattr(generate, "launch_checks", launch_then_watch)
+    monkeypatch.setattr(PrefixStore, "settle", stop_watching)
+    try:
+        for _ in range(2):
+            assert torch.equal(model.generate(row, **gen), expected)
+            assert model.relay_last_decision.prefix_kept == 40
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    assert seen == [True, True]

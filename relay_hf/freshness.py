@@ -99,13 +99,44 @@ def _head_kv(model, head: torch.Tensor) -> torch.Tensor:
     return torch.cat([t.reshape(-1) for layer in scratch.layers for t in (layer.keys, layer.values)])
 
 
+def check_stream(device: torch.device) -> torch.cuda.Stream:
+    """The stream every captured check on ``device`` records and replays on (``_Replay``): one, so a call's checks
+    (which share values: ``_partial``) run in order, and from torch's high-priority pool, which neither torch's
+    capture stream nor the side streams of relay_hf's other graphs come from (a graph's matrix products use the
+    cuBLAS workspace of the stream it was recorded on, and two graphs on one workspace must not run side by side)."""
+    device = torch.device(device)
+    return _check_stream(device.index if device.index is not None else torch.cuda.current_device())
+
+
+@functools.cache
+def _check_stream(index: int) -> torch.cuda.Stream:
+    return torch.cuda.Stream(index, priority=-1)
+
+
+@contextlib.contextmanager
+def _on(stream: torch.cuda.Stream | None, device: torch.device, reads: tuple = ()):
+    """Work queued on ``stream`` after what the caller queued so far (the caller's stream does not wait for it), or
+    on the caller's stream where ``stream`` is ``None``. ``reads``: the caller's tensors it reads, kept from reuse
+    until it has."""
+    if stream is None:
+        yield
+        return
+    with torch.cuda.device(device):
+        stream.wait_stream(torch.cuda.current_stream())
+        for t in reads:
+            if t.is_cuda:
+                t.record_stream(stream)
+        with torch.cuda.stream(stream):
+            yield
+
+
 class _Replay:
     """``_head_kv`` captured as a CUDA graph on its first replay (an eager forward of a few tokens through every layer
     is host-bound: ~25 ms on a 32-layer model on an H200, the replay reads the weights at memory speed). It reads the
     parameters' storage as it is at each replay (a write in place is seen); parameters, modules, hooks or plain values
     replaced change ``store.kv_dependencies``, which drops the entry, and its graph with it. Capture fails: eager.
 
-    Captured, it runs on a stream of its own (``stream``), after what the caller queued before it (a write to a
+    Captured, it runs on the device's ``check_stream``, after what the caller queued before it (a write to a
     parameter included), beside what the caller queues after it: a chat turn's own prefill runs while the check does
     (docs/performance.md, the chat turn). ``__call__`` makes the caller's stream wait for it; ``run`` does not.
 
@@ -120,8 +151,7 @@ class _Replay:
 
     def __call__(self, model, head: torch.Tensor) -> torch.Tensor:
         kv = self.run(model, head)
-        if self.stream is not None:
-            torch.cuda.current_stream(model.device).wait_stream(self.stream)
+        self.join(model)
         return kv
 
     def run(self, model, head: torch.Tensor) -> torch.Tensor:
@@ -131,13 +161,17 @@ class _Replay:
             return _head_kv(model, head)
         if self.graph is None:
             self.ids = head.to(model.device)  # the graph's input, kept alive with it (no copy while capturing)
-            stream = torch.cuda.Stream(model.device)
+            stream = check_stream(model.device)
             try:
-                graph, kv = capture_graph(lambda: _head_kv(model, self.ids), model.device, warm_up=True, stream=stream)
+                with _on(stream, model.device):  # warmed up where it is recorded: the stream's cuBLAS workspace
+                    _head_kv(model, self.ids)      # exists before the capture, outside the graph's pool
+                torch.cuda.current_stream(model.device).wait_stream(stream)
+                graph, kv = capture_graph(lambda: _head_kv(model, self.ids), model.device, stream=stream)
             except Exception as err:  # noqa: BLE001 - any capture failure: the eager forward is the same check
                 logger.debug("relay_hf: the kept-prefix check runs eagerly: its capture failed: %s", err)
                 self.eager = True
                 return _head_kv(model, head)
+            self.ids.record_stream(stream)  # (freed with the entry, while a replay may still read it)
             self.graph, self.kv, self.reads, self.stream = graph, kv, _reads(model), stream
         with self.on_stream(model):
             self.graph.replay()
@@ -152,20 +186,14 @@ class _Replay:
             self.graph.replay()
         return self.kv
 
-    @contextlib.contextmanager
     def on_stream(self, model, reads: tuple = ()):
-        """Work queued on ``stream`` (after the caller's, which does not wait for it), or on the caller's stream
-        where there is none. ``reads``: tensors of the caller's it reads, kept from reuse until it has."""
-        if self.stream is None:
-            yield
-            return
-        with torch.cuda.device(model.device):
-            self.stream.wait_stream(torch.cuda.current_stream())
-            for t in reads:
-                if t.is_cuda:
-                    t.record_stream(self.stream)
-            with torch.cuda.stream(self.stream):
-                yield
+        """``_on`` this check's stream (``None`` before its capture, or eager: the caller's stream)."""
+        return _on(self.stream, model.device, reads)
+
+    def join(self, model) -> None:
+        """The caller's stream made to wait for what this check queued (no host wait)."""
+        if self.stream is not None:
+            torch.cuda.current_stream(model.device).wait_stream(self.stream)
 
     def answer(self, found: torch.Tensor) -> torch.Tensor | _Answer:
         """``found`` (a 0-dim bool tensor queued within ``on_stream``) as the caller reads it: an ``_Answer`` that
@@ -279,17 +307,16 @@ class SegmentCheck(NamedTuple):
         launched = memo.get("launched", {}).get(id(self.replay))  # by ``launch``, earlier in the call
         head = self.replay.run(model, full_ids[:CHECK_TOKENS]) if launched is None else launched[1]
         with self.replay.on_stream(model, reads=(self.head, self.embedded, self.partial, self.own)):
-            partial = _partial(model, memo)  # here, or earlier in the call on the caller's stream (waited for)
+            partial = _partial(model, memo)  # here, or earlier in the call, on this stream or the caller's (waited for)
             if partial.is_cuda:
                 partial.record_stream(torch.cuda.current_stream())
             pairs = [(self.head, head), (self.embedded, _embedded(model, self.own)), (self.partial, partial)]
-            found = [_equal(a, b) for a, b in pairs]
-            if any(f is False for f in found):
-                return False
-            found = [f for f in found if f is not True]
-            if not found:
-                return True
-            return self.replay.answer(torch.stack([f.to(found[0].device) for f in found]).all())
+            found = [f for f in (_equal(a, b) for a, b in pairs) if f is not True]
+            known = False if any(f is False for f in found) else True if not found else None
+            if known is None:
+                return self.replay.answer(torch.stack([f.to(found[0].device) for f in found]).all())
+        self.replay.join(model)  # known on the host: the caller's stream goes on after what the check queued (the
+        return known             # entry may be dropped now, its graph with it)
 
     def launch(self, model) -> dict:
         """This check's forward launched now, before the call walks the model, where it can be (``_Replay.launch``):

@@ -258,18 +258,29 @@ def _run_relay_on(model, stock, call: dict, route: Route, layout, base: RelayCac
 
 def relay_generate(model, *args, **kwargs):
     """The patched ``generate``: same arguments and outputs as stock, relay attention when rows share a prefix."""
-    launched = {}  # kept segments' checks, run on the device while the host walks the model
+    launched, started = {}, []  # kept segments' checks, run on the device while the host walks the model
     try:
-        return _generate(model, args, kwargs, launched)
-    finally:
-        join_checks(model, launched)  # a call that ended before reading them (an error, a stock route)
+        out = _generate(model, args, kwargs, launched, started)
+    except BaseException:
+        if started:  # (a broken device's error from the join would hide the call's own)
+            with contextlib.suppress(Exception):
+                join_checks(model)
+        raise
+    if started:  # a call that did not read them (a stock route) leaves none running past it
+        join_checks(model)
+    return out
 
 
-def _generate(model, args: tuple, kwargs: dict, launched: dict):
+def _generate(model, args: tuple, kwargs: dict, launched: dict, started: list):
     stock = types.MethodType(type(model).generate, model)
     call = _bind(model, args, kwargs)
+
+    def before_walk(grouping):
+        started.append(True)  # (before the launches: one that raises part way is joined too)
+        launched.update(launch_checks(model, grouping.tree))
+
     try:
-        route = decide(model, call, lambda grouping: launched.update(launch_checks(model, grouping.tree)))
+        route = decide(model, call, before_walk)
     except ValueError as err:
         model.relay_last_decision = RelayDecision(False, f"invalid input: {err}")
         raise

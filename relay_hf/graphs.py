@@ -66,8 +66,9 @@ def capture_graph(fn: Callable[[], T], device: torch.device, warm_up: bool = Fal
                   stream: torch.cuda.Stream | None = None) -> tuple[torch.cuda.CUDAGraph, T]:
     """``fn`` recorded as a CUDA graph on ``device`` (whichever device is current), after one eager run on a side
     stream when ``warm_up``, in the memory ``pool`` of graphs it never runs beside (``None``: a pool of its own),
-    on ``stream`` (``None``: torch's capture stream). A graph replayed beside others gets a stream of its own: the
-    matrix products it records use that stream's cuBLAS workspace, which graphs recorded on one stream share.
+    on ``stream`` (``None``: torch's capture stream). The matrix products a graph records use the cuBLAS workspace
+    of the stream it is recorded on, so a graph replayed beside others is recorded on a stream they are not
+    (``freshness.check_stream``), after a warm-up there (the workspace then exists outside the graph's pool).
     Returns the graph, not yet replayed, and what ``fn`` returned while recording (tensors the graph's replays
     write). Raises what the warm-up or the capture raised: nothing runs while recording, so what ``fn`` would change
     is intact then, and the caller decides what a failure means."""

@@ -15,6 +15,6 @@ def to_device(t: torch.Tensor, device: torch.device | str) -> torch.Tensor:
     """``t`` (a CPU tensor the caller does not change afterwards) on ``device``: on CUDA a copy queued through pinned
     memory (torch's pinned-memory pool keeps the staging buffer until the copy is done), elsewhere ``t.to(device)``."""
     device = torch.device(device)
-    if device.type != "cuda" or t.device == device:
+    if device.type != "cuda" or t.device.type != "cpu":
         return t.to(device)
     return t.pin_memory().to(device, non_blocking=True)

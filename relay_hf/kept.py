@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 
 from .cache import RelayCache
+from .freshness import check_stream
 from .policy import kept_dependencies
 from .prefill import KeptSegment, segment_key
 from .prefix import PrefixTree
@@ -45,12 +46,11 @@ def launch_checks(model, tree: PrefixTree) -> dict:
     return relay_state(model).store.launch(tree_keys(tree), launch)
 
 
-def join_checks(model, launched: dict) -> None:
-    """The caller's stream made to wait for the checks ``launch_checks`` launched (``launched``, its answer): a call
-    that ends before reading them leaves no check running on its own stream past it. Nothing waits on the host."""
-    for replay, _ in launched.values():
-        if replay.stream is not None:
-            torch.cuda.current_stream(model.device).wait_stream(replay.stream)
+def join_checks(model) -> None:
+    """The caller's stream made to wait for the kept checks queued on the model's device (``check_stream``): a call
+    that launched some (``launch_checks``) and ends before reading them leaves none running past it. No host wait."""
+    if model.device.type == "cuda":
+        torch.cuda.current_stream(model.device).wait_stream(check_stream(model.device))
 
 
 def kept_caches(model, trees: list[PrefixTree], store: PrefixStore | None, depends: object,

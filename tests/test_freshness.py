@@ -4,7 +4,7 @@ its KV, wherever the change lands and however it is made (no version counter mov
 import pytest
 import torch
 
-from relay_hf.freshness import CHECK_TOKENS, SegmentCheck, _reads, allocated, bit_sums, partial_reach
+from relay_hf.freshness import CHECK_TOKENS, SegmentCheck, _reads, allocated, bit_sums, check_stream, partial_reach
 from tests.helpers import VOCAB, tiny_model
 
 IDS = torch.randint(3, VOCAB, (24,), generator=torch.Generator().manual_seed(0))
@@ -179,7 +179,8 @@ def test_on_cuda_the_check_runs_on_its_own_stream_after_what_the_caller_queued_o
     check = _record(model)
     assert check.holds(model, IDS)
     caller = torch.cuda.current_stream()
-    assert check.replay.stream is not None and check.replay.stream != caller
+    assert check.replay.stream == check_stream(torch.device("cuda")) != caller
+    assert check.replay.stream.priority < 0  # torch's high-priority pool: never its capture stream
     for launch in (False, True):
         torch.cuda.synchronize()
         weight = model.model.layers[0].self_attn.k_proj.weight

@@ -118,7 +118,7 @@ def options_of(kwargs: dict) -> AttentionOptions:
     Python signature would)."""
     if not kwargs:
         return _NO_OPTIONS
-    unknown = sorted(kwargs.keys() - OPTION_NAMES)
+    unknown = sorted(k for k in kwargs if k not in OPTION_NAMES)  # (torch 2.11's dynamo fails on keys() - tuple)
     if unknown:
         raise TypeError(f"unexpected keyword argument {unknown[0]!r} (attention options: {', '.join(OPTION_NAMES)})")
     return AttentionOptions(**kwargs)

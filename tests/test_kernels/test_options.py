@@ -164,8 +164,7 @@ def test_the_custom_op_takes_the_options_and_groups_on_cuda():
     assert rel_err(recorded.detach(), ref) < 1e-4
     block_m, items = triton_relay.grouped_launch_shape(5 * 2, 64, groups)
     tables = GroupTables(*groups.tables(q.device, block_m, 2, items), groups.depth, groups.segments_per_level)
-    with_tables = dict(kw, prefix_groups=tables)  # (built outside the traced function: dynamo does not trace it)
-    compiled = torch.compile(lambda *t: relay_attention(*t, **with_tables), fullgraph=True)
+    compiled = torch.compile(lambda *t: relay_attention(*t, **dict(kw, prefix_groups=tables)), fullgraph=True)
     with torch.no_grad():
         assert rel_err(compiled(q.detach(), pk, pv, sk, sv), ref) < 1e-4
         with pytest.raises(Exception, match="GroupTables"):  # a PrefixGroups cannot be read inside the graph

@@ -84,6 +84,19 @@ def test_a_call_under_a_kept_prompt_launches_its_check_before_the_walk(monkeypat
     assert model.relay_last_decision.used and events == [], events
 
 
+def _pinned_turn_on_cuda(seed: int, new_tokens: int):
+    """A patched tiny fp32 model on CUDA with a 40-token prompt pinned, an unpatched copy, a one-row turn under the
+    prompt (9 own tokens) and its greedy ``generate`` arguments."""
+    model = tiny_model("llama").cuda()
+    stock = copy.deepcopy(model)
+    g = torch.Generator().manual_seed(seed)
+    prompt = torch.randint(3, VOCAB, (40,), generator=g)
+    row = torch.cat([prompt, torch.randint(3, VOCAB, (9,), generator=g)])[None].cuda()
+    relay_hf.patch(model)
+    relay_hf.pin(model, prompt)
+    return model, stock, row, dict(attention_mask=torch.ones_like(row), max_new_tokens=new_tokens, do_sample=False)
+
+
 @pytest.mark.gpu
 def test_a_turn_launches_its_kept_prompts_check_before_the_walk_on_gpu(monkeypatch):
     """fp32 on CUDA: a one-row turn under a pinned prompt launches the prompt's check before the call walks the
@@ -91,14 +104,7 @@ def test_a_turn_launches_its_kept_prompts_check_before_the_walk_on_gpu(monkeypat
     write in place the launched check fails and the call runs again on the prompt prefilled anew; after a parameter
     is dropped nothing is launched (what the graph read is gone) and the walk drops the entry. Stock's tokens each
     time (a copy of the model changed the same way)."""
-    model = tiny_model("llama").cuda()
-    stock = copy.deepcopy(model)
-    g = torch.Generator().manual_seed(5)
-    prompt = torch.randint(3, VOCAB, (40,), generator=g)
-    row = torch.cat([prompt, torch.randint(3, VOCAB, (9,), generator=g)])[None].cuda()
-    gen = dict(attention_mask=torch.ones_like(row), max_new_tokens=5, do_sample=False)
-    relay_hf.patch(model)
-    relay_hf.pin(model, prompt)
+    model, stock, row, gen = _pinned_turn_on_cuda(seed=5, new_tokens=5)
     events = []
     launch, replay, walk = _Replay.launch, _Replay.run, policy.kv_dependencies
 
@@ -138,14 +144,7 @@ def test_nothing_between_a_turns_launch_and_its_verdict_waits_for_the_device_on_
     """fp32 on CUDA: from the launch of a pinned prompt's check to the reading of its verdict (after the turn's own
     prefill is queued), the host never waits for the device (torch's sync debug mode raises on any wait), so the
     check runs while the host lays the call out; the tokens are stock's."""
-    model = tiny_model("llama").cuda()
-    stock = copy.deepcopy(model)
-    g = torch.Generator().manual_seed(6)
-    prompt = torch.randint(3, VOCAB, (40,), generator=g)
-    row = torch.cat([prompt, torch.randint(3, VOCAB, (9,), generator=g)])[None].cuda()
-    gen = dict(attention_mask=torch.ones_like(row), max_new_tokens=4, do_sample=False)
-    relay_hf.patch(model)
-    relay_hf.pin(model, prompt)
+    model, stock, row, gen = _pinned_turn_on_cuda(seed=6, new_tokens=4)
     expected = stock.generate(row, **gen)
     assert torch.equal(model.generate(row, **gen), expected)  # the first turn records what later turns replay
     launch, settle, seen = generate.launch_checks, PrefixStore.settle, []

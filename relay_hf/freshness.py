@@ -24,6 +24,7 @@ import contextlib
 import functools
 import logging
 import re
+import threading
 import weakref
 from typing import NamedTuple
 
@@ -105,7 +106,11 @@ def check_stream(device: torch.device) -> torch.cuda.Stream:
     capture stream nor the side streams of relay_hf's other graphs come from (a graph's matrix products use the
     cuBLAS workspace of the stream it was recorded on, and two graphs on one workspace must not run side by side)."""
     device = torch.device(device)
-    return _check_stream(device.index if device.index is not None else torch.cuda.current_device())
+    with _STREAMS_LOCK:  # (two threads' first checks get the same stream)
+        return _check_stream(device.index if device.index is not None else torch.cuda.current_device())
+
+
+_STREAMS_LOCK = threading.Lock()
 
 
 @functools.cache

@@ -490,9 +490,9 @@ def served_config(gen: GenerationConfig, call: dict) -> None:
 
 
 def input_rows(call: dict, gen: GenerationConfig) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``(ids [B, T], mask [B, T], n_pad [B])``: the rows and their left padding (``n_pad`` int64 on the CPU: the
-    call's layout is worked out on the host, so nothing after a kept check's launch waits for the device); raises
-    ``RunStock`` for a mask relay cannot lay out (custom, right padding, pads without a mask)."""
+    """``(ids [B, T], mask [B, T], n_pad [B])``: the rows and their left padding (``n_pad`` int64 on the CPU, read
+    back once: the call's layout is worked out from it on the host, so nothing after a kept check's launch waits for
+    the device); raises ``RunStock`` for a mask relay cannot lay out (custom, right padding, pads without a mask)."""
     ids = call.get("inputs", call.get("input_ids"))
     mask = call.get("attention_mask")
     if mask is None:
@@ -501,7 +501,7 @@ def input_rows(call: dict, gen: GenerationConfig) -> tuple[torch.Tensor, torch.T
         mask = torch.ones_like(ids)
     if not isinstance(mask, torch.Tensor) or mask.shape != ids.shape:
         raise RunStock("a custom attention_mask (not a [B, T] padding mask)")
-    n_pad = left_padding(mask.cpu())
+    n_pad = left_padding(mask)
     if n_pad is None:
         raise RunStock("rows are not left-padded")
     return ids, mask, n_pad

@@ -23,17 +23,21 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from .host import to_device
 
 
 def left_padding(attention_mask: torch.Tensor) -> torch.Tensor | None:
-    """Pads in front of each row ``[B]``, or ``None`` if some row is not of the form ``0..0 1..1`` with >= 1 token."""
+    """Pads in front of each row, ``[B]`` int64 on the CPU, or ``None`` if some row is not of the form ``0..0 1..1``
+    with >= 1 token. Worked out where the mask is and read back once (``[B + 1]``: the counts and whether the mask is
+    a padding mask): the host never works through the ``[B, T]`` table, host time a GPU would idle through before
+    the call's first launch (``benchmarks/generate.py --only ttft``, 64 rows)."""
     mask = attention_mask.to(torch.int64)
-    if ((mask != 0) & (mask != 1)).any() or (mask[:, 1:] < mask[:, :-1]).any() or (mask[:, -1] == 0).any():
-        return None
-    return (mask == 0).sum(-1)
+    bad = ((mask != 0) & (mask != 1)).any() | (mask[:, 1:] < mask[:, :-1]).any() | (mask[:, -1] == 0).any()
+    out = torch.cat([(mask == 0).sum(-1), bad.long()[None]]).cpu()
+    return None if out[-1] else out[:-1]
 
 
 def _aligned_tokens(input_ids: torch.Tensor, n_pad: torch.Tensor, length: int) -> torch.Tensor:
@@ -207,6 +211,7 @@ def split_at_pinned(grouping: Grouping, pinned: list[torch.Tensor], min_length: 
 
 
 MAX_SEGMENTS = 64  # segments find_groups keeps at most (each costs a prefill and a few kernel work items)
+_SIGN = np.uint64(1 << 63)  # flipped, int64 values order as their unsigned bits do
 
 
 def find_groups(input_ids: torch.Tensor, n_pad: torch.Tensor, min_length: int, levels: int = 2,
@@ -223,20 +228,16 @@ def find_groups(input_ids: torch.Tensor, n_pad: torch.Tensor, min_length: int, l
     B = input_ids.shape[0]
     if B < 2:
         return None
-    ids, n_pad = input_ids.cpu(), n_pad.cpu()
-    usable = (ids.shape[1] - n_pad - 1).tolist()  # tokens a row may share: one stays for its suffix
-    width = max(usable)
-    if width < max(1, min_length):
+    ids, pads = input_ids.cpu().numpy(), n_pad.cpu().tolist()
+    usable = [ids.shape[1] - n - 1 for n in pads]  # tokens a row may share: one stays for its suffix
+    if max(usable) < max(1, min_length):
         return None
-    tokens = torch.full((B, width), -1, dtype=torch.int64)
-    for b in range(B):
-        tokens[b, :usable[b]] = ids[b, int(n_pad[b]):int(n_pad[b]) + usable[b]]
-    rows = tokens.tolist()
-    order = sorted(range(B), key=lambda b: rows[b][:usable[b]])
-    srt = tokens[order]
-    differ = srt[1:] != srt[:-1]  # [B-1, width]
-    lcp = torch.where(differ.any(1), differ.int().argmax(1), torch.full((B - 1,), width)).tolist()
-    lcp = [min(x, usable[order[i]], usable[order[i + 1]]) for i, x in enumerate(lcp)]
+    rows = [ids[b, pads[b]:pads[b] + usable[b]] for b in range(B)]  # each row's shareable tokens (views)
+    # rows in the order of their token lists (a row before the rows it is a prefix of), by byte strings that order
+    # as the lists do (big-endian, sign bit flipped): a memcmp per comparison, and no [B, T] table on the host
+    keys = [(row.astype(np.int64, copy=False).view(np.uint64) ^ _SIGN).astype(">u8").tobytes() for row in rows]
+    order = sorted(range(B), key=keys.__getitem__)
+    lcp = [_common(rows[a], rows[b]) for a, b in zip(order, order[1:])]
     root = _lcp_tree(lcp, [usable[b] for b in order])
     floor = max(1, min_length)
 
@@ -270,23 +271,30 @@ def find_groups(input_ids: torch.Tensor, n_pad: torch.Tensor, min_length: int, l
     saved, chosen = best[id(root)]
     if saved <= 0:
         return None
-    return _grouping(_cap_segments(chosen, max_segments), tokens, order)
+    return _grouping(_cap_segments(chosen, max_segments), rows, order)
 
 
-def _grouping(chosen: list, tokens: torch.Tensor, order: list[int]) -> Grouping:
+def _grouping(chosen: list, rows: list, order: list[int]) -> Grouping:
     """The ``Grouping`` of ``find_groups``' chosen segments: ``(node, base)`` pairs, each the tokens ``base`` to
     ``node.depth`` that the rows below ``node`` share (``base`` 0: a root; else a block under the root that holds
-    it), read off ``tokens`` (``[B, width]``, each row's shareable tokens) in ``order`` (the rows sorted)."""
+    it), read off ``rows`` (each row's shareable tokens, ``[n_b]`` integer arrays) in ``order`` (the rows sorted)."""
     roots = sorted((n for n, base in chosen if base == 0), key=lambda n: n.lo)
     inner = sorted(((n, base) for n, base in chosen if base > 0), key=lambda nb: nb[0].lo)
-    seg_ids, parents, paths = [], [], [[] for _ in range(tokens.shape[0])]
+    seg_ids, parents, paths = [], [], [[] for _ in rows]
     for node, base in [(n, 0) for n in roots] + inner:
         parent = -1 if base == 0 else next(j for j, r in enumerate(roots) if r.lo <= node.lo and node.hi <= r.hi)
-        seg_ids.append(tokens[order[node.lo], base:node.depth].clone())
+        seg_ids.append(torch.from_numpy(rows[order[node.lo]][base:node.depth].astype(np.int64)))
         parents.append(parent)
         for b in order[node.lo:node.hi]:
             paths[b].append(len(seg_ids) - 1)
     return Grouping(PrefixTree(tuple(seg_ids), tuple(parents)), tuple(tuple(p) for p in paths))
+
+
+def _common(a: np.ndarray, b: np.ndarray) -> int:
+    """How many tokens ``a`` and ``b`` (``[n]`` integer arrays) share from their start."""
+    m = min(a.size, b.size)
+    differ = a[:m] != b[:m]
+    return int(differ.argmax()) if differ.any() else m
 
 
 def _post_order(root: _Node) -> list[_Node]:
@@ -394,8 +402,10 @@ def relay_layout(input_ids: torch.Tensor, mask: torch.Tensor, n_pad: torch.Tenso
     recorded prefill's length: more masked columns in front). Masked columns hold the batch's own pad token (``0``
     when nothing is padded).
 
-    Worked out on the host from ``n_pad`` (``[B]``; its CPU copy), the device only gathering the ids: nothing here
-    waits for work the call queued before it (a kept prefix's check, ``kept.launch_checks``)."""
+    The per-row counts are worked out on the host from ``n_pad`` (``[B]``; its CPU copy) and copied to the device
+    once (``[3, B]`` int64, through pinned memory); the ``[B, P + S]`` tables are built there. So nothing here waits
+    for work the call queued before it (a kept prefix's check, ``kept.launch_checks``), and neither the host's
+    arithmetic nor its copies grow with the prompt (``left_padding``)."""
     B, T = input_ids.shape
     dev = input_ids.device
     n_pad = n_pad.to("cpu", torch.int64)
@@ -403,12 +413,13 @@ def relay_layout(input_ids: torch.Tensor, mask: torch.Tensor, n_pad: torch.Tenso
     s_b = T - n_pad - P_b  # [B] suffix tokens
     P, S = int(P_b.max()), max(int(s_b.max()), suffix_columns)
     cols = P + S
-    j = torch.arange(cols)[None]  # [1, cols]
-    in_prefix = j < P_b[:, None]
-    valid = in_prefix | (j >= cols - s_b[:, None])  # [B, cols]
-    src = torch.where(in_prefix, n_pad[:, None] + j, j - (cols - T)).clamp(0, T - 1)  # [B, cols]
     padded = torch.nonzero(n_pad).flatten()[:1].tolist()  # the first padded row: its column 0 is the first pad
     fill = input_ids[padded[0], :1] if padded else torch.zeros(1, dtype=input_ids.dtype, device=dev)
-    valid, src, pads = (to_device(t, dev) for t in (valid, src, (S - s_b).long()))
+    n_pad, P_b, s_b = to_device(torch.stack([n_pad, P_b, s_b]), dev)[:, :, None]  # [B, 1] each
+    j = torch.arange(cols, device=dev)[None]  # [1, cols]
+    in_prefix = j < P_b
+    valid = in_prefix | (j >= cols - s_b)  # [B, cols]
+    src = torch.where(in_prefix, n_pad + j, j - (cols - T)).clamp(0, T - 1)  # [B, cols]
     ids = torch.where(valid, input_ids.gather(1, src), fill)
+    pads = S - s_b[:, 0]  # [B] int64
     return RowLayout(ids, valid.to(mask.dtype), pads, P, input_ids)

@@ -131,6 +131,24 @@ def test_random_batches_give_valid_groupings_at_least_as_good_as_the_common_pref
     assert saved >= (len(rows) - 1) * P
 
 
+def test_groupings_follow_the_tokens_whatever_their_width_or_magnitude():
+    """Rows are ordered by their tokens (byte keys, ``find_groups``): ids across byte boundaries (255 / 256,
+    65,535 / 65,536) and past 2**31 group as their token lists do, int32 ids as int64 ones, segments int64."""
+    g = torch.Generator().manual_seed(7)
+    alphabet = torch.tensor([0, 1, 255, 256, 511, 65535, 65536, 2**31 - 1])
+    stems = [alphabet[torch.randint(0, 8, (40,), generator=g)] for _ in range(3)]
+    rows = [torch.cat([stems[b % 3], alphabet[torch.randint(0, 8, (1 + b % 4,), generator=g)]]) for b in range(12)]
+    rows.append(torch.cat([stems[0], torch.tensor([2**40])]))
+    ids, mask = left_pad(rows)
+    grouping = find_groups(ids, left_padding(mask), 32)
+    _check_grouping(rows, grouping, 32)
+    assert sorted(grouping.tree.lengths) == [40, 40, 40] and all(s.dtype == torch.int64 for s in grouping.tree.ids)
+    narrow = find_groups(ids[:-1].int(), left_padding(mask[:-1]), 32)
+    _check_grouping(rows[:-1], narrow, 32)
+    assert [s.tolist() for s in narrow.tree.ids] == [s.tolist() for s in find_groups(ids[:-1], left_padding(
+        mask[:-1]), 32).tree.ids]
+
+
 # -- PrefixTree --------------------------------------------------------------------------------------------------
 def test_a_tree_from_prefixes_stores_shared_parts_once_and_rows_read_the_deepest_match():
     tree = PrefixTree.from_prefixes([torch.cat([SYS_B, DOC_1]), SYS_B, SYS_A, torch.cat([SYS_B, DOC_2])])

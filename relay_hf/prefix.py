@@ -32,8 +32,8 @@ from .host import to_device
 def left_padding(attention_mask: torch.Tensor) -> torch.Tensor | None:
     """Pads in front of each row, ``[B]`` int64 on the CPU, or ``None`` if some row is not of the form ``0..0 1..1``
     with >= 1 token. Worked out where the mask is and read back once (``[B + 1]``: the counts and whether the mask is
-    a padding mask): the host never works through the ``[B, T]`` table, host time a GPU would idle through before
-    the call's first launch (``benchmarks/generate.py --only ttft``, 64 rows)."""
+    a padding mask): for a mask on a GPU the host never works through the ``[B, T]`` table
+    (``benchmarks/generate.py --only ttft``, 64 rows)."""
     mask = attention_mask.to(torch.int64)
     bad = ((mask != 0) & (mask != 1)).any() | (mask[:, 1:] < mask[:, :-1]).any() | (mask[:, -1] == 0).any()
     out = torch.cat([(mask == 0).sum(-1), bad.long()[None]]).cpu()
@@ -233,10 +233,7 @@ def find_groups(input_ids: torch.Tensor, n_pad: torch.Tensor, min_length: int, l
     if max(usable) < max(1, min_length):
         return None
     rows = [ids[b, pads[b]:pads[b] + usable[b]] for b in range(B)]  # each row's shareable tokens (views)
-    # rows in the order of their token lists (a row before the rows it is a prefix of), by byte strings that order
-    # as the lists do (big-endian, sign bit flipped): a memcmp per comparison, and no [B, T] table on the host
-    keys = [(row.astype(np.int64, copy=False).view(np.uint64) ^ _SIGN).astype(">u8").tobytes() for row in rows]
-    order = sorted(range(B), key=keys.__getitem__)
+    order = token_order(rows)
     lcp = [_common(rows[a], rows[b]) for a, b in zip(order, order[1:])]
     root = _lcp_tree(lcp, [usable[b] for b in order])
     floor = max(1, min_length)
@@ -288,6 +285,15 @@ def _grouping(chosen: list, rows: list, order: list[int]) -> Grouping:
         for b in order[node.lo:node.hi]:
             paths[b].append(len(seg_ids) - 1)
     return Grouping(PrefixTree(tuple(seg_ids), tuple(parents)), tuple(tuple(p) for p in paths))
+
+
+def token_order(rows: list) -> list[int]:
+    """The indices of ``rows`` (``[n_b]`` integer arrays) in the order of their token lists, as ``sorted`` orders
+    lists: a row before the rows it is a prefix of, equal rows as given. By byte strings that order as the lists do
+    (int64, sign bit flipped, big-endian): a comparison is a ``memcmp``, not a walk of two Python lists, and no padded
+    ``[B, T]`` table is built (``find_groups`` on 64 rows of a 4,096-token prompt)."""
+    keys = [(row.astype(np.int64, copy=False).view(np.uint64) ^ _SIGN).astype(">u8").tobytes() for row in rows]
+    return sorted(range(len(rows)), key=keys.__getitem__)
 
 
 def _common(a: np.ndarray, b: np.ndarray) -> int:

@@ -10,6 +10,7 @@ from relay_hf.prefix import (
     first_mismatch,
     left_padding,
     relay_layout,
+    token_order,
 )
 from tests.helpers import left_pad
 
@@ -131,22 +132,32 @@ def test_random_batches_give_valid_groupings_at_least_as_good_as_the_common_pref
     assert saved >= (len(rows) - 1) * P
 
 
-def test_groupings_follow_the_tokens_whatever_their_width_or_magnitude():
-    """Rows are ordered by their tokens (byte keys, ``find_groups``): ids across byte boundaries (255 / 256,
-    65,535 / 65,536) and past 2**31 group as their token lists do, int32 ids as int64 ones, segments int64."""
-    g = torch.Generator().manual_seed(7)
-    alphabet = torch.tensor([0, 1, 255, 256, 511, 65535, 65536, 2**31 - 1])
-    stems = [alphabet[torch.randint(0, 8, (40,), generator=g)] for _ in range(3)]
-    rows = [torch.cat([stems[b % 3], alphabet[torch.randint(0, 8, (1 + b % 4,), generator=g)]]) for b in range(12)]
-    rows.append(torch.cat([stems[0], torch.tensor([2**40])]))
+@pytest.mark.parametrize("seed", range(4))
+def test_rows_are_ordered_as_their_token_lists_are(seed):
+    """``token_order`` (``find_groups``' row order) is ``sorted`` over the rows' token lists: ids across byte
+    boundaries, negative and past 2**31 included, a row before the rows it is a prefix of, equal rows as given."""
+    g = torch.Generator().manual_seed(seed)
+    alphabet = torch.tensor([-2**40, -256, -1, 0, 1, 255, 256, 511, 65535, 65536, 2**31 - 1, 2**40])
+    stems = [alphabet[torch.randint(0, 12, (int(n),), generator=g)] for n in torch.randint(0, 6, (5,), generator=g)]
+    rows = []
+    for _ in range(200):
+        stem = stems[int(torch.randint(0, 5, (1,), generator=g))]
+        rows.append(torch.cat([stem, alphabet[torch.randint(0, 12, (int(torch.randint(0, 4, (1,), generator=g)),),
+                                                            generator=g)]]))
+    expected = sorted(range(len(rows)), key=lambda b: rows[b].tolist())
+    assert token_order([r.numpy() for r in rows]) == expected
+    narrow = [r.clamp(-2**31, 2**31 - 1).int() for r in rows]  # int32 ids order as their int64 values
+    assert token_order([r.numpy() for r in narrow]) == sorted(range(len(rows)), key=lambda b: narrow[b].tolist())
+
+
+def test_int32_ids_group_as_int64_ids_into_int64_segments():
+    rows = [torch.cat([SYS_A, _tokens(3)]), torch.cat([SYS_A, _tokens(2)]), torch.cat([SYS_B, _tokens(4)]),
+            torch.cat([SYS_B, _tokens(1)])]
     ids, mask = left_pad(rows)
-    grouping = find_groups(ids, left_padding(mask), 32)
-    _check_grouping(rows, grouping, 32)
-    assert sorted(grouping.tree.lengths) == [40, 40, 40] and all(s.dtype == torch.int64 for s in grouping.tree.ids)
-    narrow = find_groups(ids[:-1].int(), left_padding(mask[:-1]), 32)
-    _check_grouping(rows[:-1], narrow, 32)
-    assert [s.tolist() for s in narrow.tree.ids] == [s.tolist() for s in find_groups(ids[:-1], left_padding(
-        mask[:-1]), 32).tree.ids]
+    wide, narrow = find_groups(ids, left_padding(mask), 32), find_groups(ids.int(), left_padding(mask), 32)
+    _check_grouping(rows, narrow, 32)
+    assert narrow.paths == wide.paths and all(torch.equal(a, b) for a, b in zip(narrow.tree.ids, wide.tree.ids))
+    assert all(s.dtype == torch.int64 for s in narrow.tree.ids)
 
 
 # -- PrefixTree --------------------------------------------------------------------------------------------------

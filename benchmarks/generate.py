@@ -30,7 +30,7 @@ hooked inside relay_hf or transformers. Per (mode, S, B) point, in this order:
 * ``ttft`` (s): a warm 1-token call (prefill and the first token; relay modes: the system prompt kept by an earlier
   call, ``patch(model, prefix_cache_bytes=...)``); ``ttft_new_prompt`` (s, relay modes): the same call with the
   system prompt prefilled again (``relay_hf.clear_prefixes`` before it); ``ttft_one_row`` (s): a warm 1-token call of
-  the first row alone (a chat turn under the kept system prompt).
+  the first row alone (a chat turn under the kept system prompt, after an N-token turn of that row).
 * ``step`` (ms): warm greedy decode step, ``(wall(N) - wall(M)) / (N - M)`` with M = ``--short-tokens`` (N/4, at
   least 2): both calls run the same decode loop, so its per-call setup cancels and only the N - M extra steps
   remain. ``tok_per_s`` = B / step; ``bandwidth`` (GB/s) = the weights plus the KV the mode reads in the middle
@@ -257,7 +257,8 @@ def generate_point(model, mode: str, S: int, B: int, U: int, N: int, M: int, rep
                     return call(1)
                 add("ttft_new_prompt", "s", summary(new_prompt() for _ in range(reps)), decision())
             one = {k: v[:1] for k, v in inputs.items()}  # a chat turn: one row under the (kept) system prompt
-            call(1, rows=one)
+            call(N, rows=one)  # a whole earlier turn, as a chat's turns come (its step compiled and captured)
+            call(1, rows=one)  # (the prefill recorded through the compiled step: DecodeConfig.compiled_prefill)
             add("ttft_one_row", "s", summary(call(1, rows=one) for _ in range(reps)), decision())
         if "step" in only:
             step = summary(steps())

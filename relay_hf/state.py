@@ -42,6 +42,8 @@ class RelayState:
         counters: what ``relay_hf.stats`` reports.
         prefill_eager: why the rows' own tokens are no longer prefilled as recorded CUDA graphs on this model (a
             recording failed: ``suffix_prefill.py``), or ``None``.
+        prefill_uncompiled: why they are no longer recorded through the decode step's compiled region (compiling or
+            recording it failed: ``suffix_prefill.py``), or ``None``.
     """
 
     original_attn: str
@@ -51,6 +53,7 @@ class RelayState:
     prefix_cache_bytes: InitVar[int] = 0
     counters: Counters = field(default_factory=Counters, repr=False)  # ``relay_hf.stats``
     prefill_eager: str | None = field(default=None, repr=False)
+    prefill_uncompiled: str | None = field(default=None, repr=False)
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
     _idle: list = field(default_factory=list, repr=False)
     _regions: dict = field(default_factory=dict, repr=False)
@@ -63,6 +66,11 @@ class RelayState:
     def stop_recording_prefills(self, reason: str) -> None:
         """From now on this model's suffix prefills run as eager ops (``reason``: why its recording failed)."""
         self.prefill_eager = reason
+
+    def stop_compiling_prefills(self, reason: str) -> None:
+        """From now on this model's suffix prefills are recorded through its eager forward (``reason``: why the compiled
+        one failed)."""
+        self.prefill_uncompiled = reason
 
     def take_static(self, fits) -> StaticSlot | None:
         """The first idle slot (most recent first) for which ``fits(slot.cache)`` holds, now owned by the caller. When

@@ -61,6 +61,10 @@ class DecodeConfig:
             padding (at most a third of the tokens past 32, where their compute starts to count). Only up to
             ``prefill_tokens`` rows x length: beyond, the prefill's GPU time dwarfs its launches and a graph would
             only hold memory (``benchmarks/generate.py --only ttft``).
+        compiled_prefill: record those prefills through the decode step's compiled decoder layer once the step runs
+            compiled and captured (``DecodeStep.prefill_runner``): at 64 rows x 64 tokens the eager forward's
+            elementwise kernels are a fifth of the prefill's device time, and inductor fuses them
+            (docs/performance.md, the chat turn).
     """
 
     chunk: int = 16
@@ -70,6 +74,7 @@ class DecodeConfig:
     step_inductor_options: tuple[tuple[str, object], ...] = (("combo_kernels", True),)
     prefill_lengths: tuple[int, ...] = (16, 32, 48, 64, 96, 128, 192, 256)
     prefill_tokens: int = 4096
+    compiled_prefill: bool = True
 
     def prefill_length(self, rows: int, suffix: int) -> int | None:
         """The recorded suffix length that serves a prefill of ``suffix`` own tokens at ``rows`` rows (a bucket), or
@@ -184,6 +189,16 @@ class DecodeStep:
         forward captured, or warming up to be) or ``"eager ops"`` (off CUDA, or its capture failed). A compile or
         capture that fails moves it down this list for good (each warns)."""
         return "compiled" if self.compiled else "cuda graph" if self.captures else "eager ops"
+
+    @property
+    def prefill_runner(self):
+        """What the rows' own prefill on this step's cache is recorded through (``suffix_prefill.SuffixPrefill``):
+        the step's compiled copy of the model (``regional.decode_view``) once the step runs compiled by regions and is
+        captured, so the region compiled for this cache first and a slot's first call compiles no prefill; else
+        ``None``: the model's eager forward."""
+        if self.decode.compiled_prefill and self.fn is _regional_forward and self.state.__class__ is Captured:
+            return self.runner
+        return None
 
     @property
     def graph(self) -> torch.cuda.CUDAGraph | None:

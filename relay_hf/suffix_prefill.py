@@ -10,7 +10,9 @@ extra columns are left padding, masked like any pad, so the result is exact), so
 turn. A length's first prefill runs eagerly on a side stream (its plans made, its kernels built, the allocator's
 blocks in place: torch's capture recipe) and gives the call its logits; the graph is recorded after it (recording
 runs nothing) and replayed from the next call on. The graphs of one slot share one memory pool: each replay's logits
-are read before anything else replays.
+are read before anything else replays. Once the slot's decode step runs compiled and captured, a length is recorded
+again through the step's compiled decoder layer (``DecodeConfig.compiled_prefill``): its norms, rotary embeddings and
+activations fused, not some thirty elementwise kernels a layer.
 """
 
 from __future__ import annotations
@@ -55,10 +57,15 @@ class _Graph:
 
 
 class SuffixPrefill:
-    """Suffix prefills on one static cache, by (shape, kernel configuration): ``_Graph`` once recorded, ``Eager`` when
-    recording failed, absent before the first run. A failure (warned once) ends recording on the model
+    """Suffix prefills on one static cache, by (shape, kernel configuration, compiled): ``_Graph`` once recorded,
+    ``Eager`` when recording failed, absent before the first run. A failure (warned once) ends recording on the model
     (``RelayState.stop_recording_prefills``): what failed at one length (an MoE's data-dependent routing) fails at
-    every other, and its calls are no longer laid out wider."""
+    every other, and its calls are no longer laid out wider.
+
+    Recorded through a compiled ``runner`` (``DecodeStep.prefill_runner``) where the call hands one: a length's first
+    run there compiles the decoder layer for the prefill's shape, and the graph recorded after it replaces that
+    length's eager one. Compiling or recording that fails (warned once) puts back the cache positions it wrote and
+    records the eager forward, on this model from then on (``RelayState.stop_compiling_prefills``)."""
 
     def __init__(self, name: str):
         self.name = name  # the forward's cache argument (``_compat.cache_kwarg_name``)
@@ -68,15 +75,19 @@ class SuffixPrefill:
     def __deepcopy__(self, memo):  # a CUDA graph cannot be copied; a copied model records its own
         return None
 
-    def __call__(self, model, cache, ids: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+    def __call__(self, model, cache, ids: torch.Tensor, pos: torch.Tensor, runner=None) -> torch.Tensor:
         """The last logits ``[Rb, V]`` of ``ids`` / ``pos`` ``[Rb, L]`` prefilled into ``cache`` (CUDA, its suffix
-        empty). A replay's logits are the graph's own buffer: read them before the next prefill of this length."""
+        empty). ``runner``: the compiled copy of the model to record through, or ``None`` (the model). A replay's
+        logits are the graph's own buffer: read them before the next prefill of this length."""
         from .kernels.config import active_config
 
-        key = ids.shape, active_config()  # the recorded launches follow the kernel configuration in force
+        if runner is not None and relay_state(model).prefill_uncompiled is not None:
+            runner = None
+        # the recorded launches follow the kernel configuration in force
+        key = ids.shape, active_config(), runner is not None
         entry = self.graphs.get(key)
         if entry is None:
-            return self._first(model, cache, ids, pos, key)
+            return self._first(model, runner, cache, ids, pos, key)
         if entry.__class__ is Eager:
             return prefill_logits(model, self.name, cache, ids, pos)
         entry.ids.copy_(ids)
@@ -84,22 +95,51 @@ class SuffixPrefill:
         entry.graph.replay()
         return entry.logits
 
-    def _first(self, model, cache, ids: torch.Tensor, pos: torch.Tensor, key: tuple) -> torch.Tensor:
+    def _first(self, model, runner, cache, ids: torch.Tensor, pos: torch.Tensor, key: tuple) -> torch.Tensor:
         ids_in, pos_in = ids.clone(), pos.clone()  # the graph's inputs
-
-        def run():
-            return prefill_logits(model, self.name, cache, ids_in, pos_in)
-
-        logits = on_side_stream(run, model.device)  # this call's result, and the capture recipe's warm-up
+        if runner is not None:
+            marks = cache.fill_marks()
+            try:
+                return self._record(model, runner, cache, ids_in, pos_in, key)
+            except Exception as err:  # noqa: BLE001 - record the eager forward rather than lose the call
+                reason = f"compiling the suffix prefill failed ({type(err).__name__}: {err})"
+                warnings.warn(f"relay_hf: {reason}; recording it uncompiled", RuntimeWarning, stacklevel=5)
+                relay_state(model).stop_compiling_prefills(reason)
+                cache.rewind(marks)  # (the layers its run reached wrote their positions)
+                return self(model, cache, ids, pos)  # this length's eager graph, replayed or recorded now
         try:
-            graph, out = capture_graph(run, model.device, pool=self.pool)  # records only: the cache stays as filled
-        except Exception as err:  # noqa: BLE001 - prefill eagerly rather than lose the call
-            reason = f"capturing the suffix prefill failed ({type(err).__name__}: {err})"
+            return self._record(model, model, cache, ids_in, pos_in, key)
+        except _Unrecorded as failed:
+            reason = f"capturing the suffix prefill failed ({type(failed.err).__name__}: {failed.err})"
             # stacklevel: fast_generate's caller, as the decode step's warnings
             warnings.warn(f"relay_hf: {reason}; prefilling without a CUDA graph", RuntimeWarning, stacklevel=5)
             self.graphs[key] = Eager(reason)
             relay_state(model).stop_recording_prefills(reason)
-            return logits
+            return failed.logits
+
+    def _record(self, model, runner, cache, ids: torch.Tensor, pos: torch.Tensor, key: tuple) -> torch.Tensor:
+        """``ids`` / ``pos`` (the graph's inputs) run once through ``runner`` on a side stream (this call's logits, and
+        the capture recipe's warm-up), then recorded (recording runs nothing: the cache stays as filled). Raises what
+        the run raised; ``_Unrecorded`` when only the recording failed."""
+
+        def run():
+            return prefill_logits(runner, self.name, cache, ids, pos)
+
+        logits = on_side_stream(run, model.device)
+        try:
+            graph, out = capture_graph(run, model.device, pool=self.pool)
+        except Exception as err:  # noqa: BLE001 - the caller decides what a failed recording means
+            raise _Unrecorded(err, logits) from err
         self.pool = graph.pool()
-        self.graphs[key] = _Graph(graph, ids_in, pos_in, out)
+        self.graphs[key] = _Graph(graph, ids, pos, out)
+        if key[-1]:  # the eager graph of this length is not replayed again: its memory goes back to the pool
+            self.graphs.pop((*key[:-1], False), None)
         return logits
+
+
+class _Unrecorded(Exception):
+    """A prefill that ran (``logits``, its result) but whose recording raised ``err``."""
+
+    def __init__(self, err: Exception, logits: torch.Tensor):
+        super().__init__(str(err))
+        self.err, self.logits = err, logits

@@ -95,3 +95,71 @@ def test_chat_turns_under_a_pinned_prompt_replay_one_recorded_prefill_per_length
     relay_hf.patch(model, min_prefix_length=8)
     assert torch.equal(model.generate(ids, attention_mask=mask, **gen), out)
     assert not any(isinstance(e, Eager) for e in relay_state(model).idle_static().prefill.graphs.values())
+
+
+def _pinned_turns(seed: int, lengths: tuple[int, ...]):
+    """A tiny fp32 Llama on CUDA, a 40-token prompt and one-row turns under it with ``lengths`` own tokens."""
+    model = tiny_model("llama").cuda()
+    g = torch.Generator().manual_seed(seed)
+    prompt = torch.randint(3, VOCAB, (40,), generator=g)
+    turns = [torch.cat([prompt, torch.randint(3, VOCAB, (n,), generator=g)])[None].cuda() for n in lengths]
+    return model, prompt, turns
+
+
+def _recorded(model) -> dict:
+    """The idle slot's recorded prefills as ``{(recorded length, compiled): entry}``."""
+    return {(key[0][1], key[2]): entry for key, entry in relay_state(model).idle_static().prefill.graphs.items()}
+
+
+@pytest.mark.gpu
+def test_once_the_step_runs_compiled_a_length_is_recorded_again_through_its_compiled_layer_on_gpu():
+    """fp32 on CUDA with ``decode="compile"``: a slot's first turn records its prefill through the eager forward (the
+    region compiles for the decode step first); the next turn at that length records it through the step's compiled
+    decoder layer and drops the eager graph; later turns replay it; every turn's tokens are stock's."""
+    model, prompt, turns = _pinned_turns(73, (5, 11, 7, 20))
+    gen = dict(max_new_tokens=6, do_sample=False)
+    stock = [run_stock(model, row, torch.ones_like(row), **gen) for row in turns]
+    relay_hf.patch(model, decode="compile")
+    relay_hf.pin(model, prompt)
+    seen = []
+    for row, out in zip(turns, stock, strict=True):
+        assert torch.equal(model.generate(row, attention_mask=torch.ones_like(row), **gen), out)
+        assert model.relay_last_decision.decode_step == "compiled", model.relay_last_decision
+        seen.append(_recorded(model))
+    assert [sorted(r) for r in seen] == [[(16, False)], [(16, True)], [(16, True)], [(16, True), (32, True)]]
+    assert all(isinstance(entry, _Graph) for r in seen for entry in r.values())
+    assert seen[2][16, True] is seen[1][16, True]  # replayed, not recorded again
+    assert relay_state(model).prefill_uncompiled is None
+
+
+@pytest.mark.gpu
+def test_a_prefill_that_fails_to_compile_is_recorded_eagerly_from_then_on_on_gpu():
+    """A backend that compiles the decode step's layer but fails on the prefill's (more than one token a row): the
+    turn warns once, puts back the positions the failed run wrote, records the eager forward, and keeps stock's
+    tokens; the model's later turns record eagerly without trying again."""
+    from transformers import CompileConfig
+
+    def decode_only(gm, example_inputs):
+        if any(isinstance(t, torch.Tensor) and t.dim() == 3 and t.shape[1] != 1 for t in example_inputs):
+            raise RuntimeError("this backend compiles no prefill")
+        return gm.forward
+
+    model, prompt, turns = _pinned_turns(74, (5, 11, 20))
+    gen = dict(max_new_tokens=6, do_sample=False, compile_config=CompileConfig(backend=decode_only, mode=None))
+    stock = [run_stock(model, row, torch.ones_like(row), max_new_tokens=6, do_sample=False) for row in turns]
+    relay_hf.patch(model, decode="compile")
+    relay_hf.pin(model, prompt)
+    torch._dynamo.reset()
+    assert torch.equal(model.generate(turns[0], attention_mask=torch.ones_like(turns[0]), **gen), stock[0])
+    with pytest.warns(RuntimeWarning, match="compiling the suffix prefill failed"):
+        out = model.generate(turns[1], attention_mask=torch.ones_like(turns[1]), **gen)
+    assert torch.equal(out, stock[1]) and model.relay_last_decision.decode_step == "compiled"
+    assert relay_state(model).prefill_uncompiled is not None and sorted(_recorded(model)) == [(16, False)]
+    ends = {int(layer.end) for layer in relay_state(model).idle_static().cache.layers}
+    assert len(ends) == 1  # every layer holds the turn's positions once
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)
+        assert torch.equal(model.generate(turns[2], attention_mask=torch.ones_like(turns[2]), **gen), stock[2])
+    assert sorted(_recorded(model)) == [(16, False), (32, False)]

@@ -1,10 +1,11 @@
 """The compiled decode step's artifacts, kept across processes in the user's cache directory.
 
-Why: compiling the decoder-layer region (``regional.py``) is one-time work per model shape, dtype and software stack;
-a new process would otherwise compile it again. After the first compiled step is captured, torch's portable cache
+Why: compiling the decoder-layer region (``regional.py``) is one-time work per model shape, dtype and software stack; a
+new process would otherwise compile it again. After the first compiled step is captured, torch's portable cache
 artifacts (``torch.compiler.save_cache_artifacts``: inductor's compiled graphs and their kernels) are written to one
-file per key; a later process loads them (``load_cache_artifacts``) before its first compile, which then finds the
-work done (docs/performance.md, the cold-call rows).
+file per key, and again to a file of its own once a suffix prefill has compiled through the same layer
+(``DecodeStep.keep_prefill_compiled``); a later process loads them (``load_cache_artifacts``) before its first compile,
+which then finds the work done (docs/performance.md, the cold-call rows).
 
 The directory is ``$RELAY_HF_CACHE_DIR``, else ``$XDG_CACHE_HOME/relay_hf``, else ``~/.cache/relay_hf``. Reading or
 writing it never fails a call: a missing, unreadable or stale file is compiled again and rewritten.

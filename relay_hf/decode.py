@@ -23,10 +23,10 @@ from .step import DEFAULT_DECODE, DecodeConfig, step_for
 from .suffix_prefill import SuffixPrefill, prefill_logits, recorded_length
 
 
-def _prefill(model, slot, ids: torch.Tensor, mask: torch.Tensor, rows: int, decode: DecodeConfig, runner=None):
+def _prefill(model, slot, ids: torch.Tensor, mask: torch.Tensor, rows: int, decode: DecodeConfig, step=None):
     """The rows' own tokens after the cached prefix (``ids`` / ``mask`` ``[R, T]``, relay layout), at ``rows >= R``
     rows: the extra rows copy row 0. Recorded as a CUDA graph per suffix length where ``recorded_length`` allows
-    (one prefix, CUDA; ``suffix_prefill.py``; through ``runner``, the decode step's ``prefill_runner``), else eager
+    (one prefix, CUDA; ``suffix_prefill.py``; through ``step``'s compiled layer where it has one), else eager
     ops. Returns the last logits ``[rows, V]``, and the last tokens and their next positions, ``[rows, 1]`` int64
     each (the decode step's first inputs)."""
     fill = torch.zeros(rows - ids.shape[0], dtype=torch.long, device=ids.device)
@@ -39,7 +39,7 @@ def _prefill(model, slot, ids: torch.Tensor, mask: torch.Tensor, rows: int, deco
     if ids.is_cuda and cache.groups is None and recorded_length(model, rows, L, decode) == L:
         if slot.prefill is None:
             slot.prefill = SuffixPrefill(name)
-        logits = slot.prefill(model, cache, own_ids, own_pos, runner)
+        logits = slot.prefill(model, cache, own_ids, own_pos, step)
     else:
         logits = prefill_logits(model, name, cache, own_ids, own_pos)
     return logits, ids_b[:, -1:], pos[:, -1:] + 1
@@ -128,7 +128,7 @@ def fast_generate(model, ids: torch.Tensor, mask: torch.Tensor, stock_ids: torch
     Rb = cache.layers[0].suffix_padding.shape[0]
     with optimized_for_decode(model):  # as stock's decode steps run (an MoE's experts: batched, capturable)
         step = step_for(model, slot, Rb, compile_config, decode)
-    logits, last, pos = _prefill(model, slot, ids, mask, Rb, decode, step.prefill_runner)
+    logits, last, pos = _prefill(model, slot, ids, mask, Rb, decode, step)
     with optimized_for_decode(model):
         choice = step.choice_for(R, cache.layers[0].max_suffix_length, logits.shape[-1], sampler)
         choice.start(sampler, rows_per_input)

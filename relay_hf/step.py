@@ -151,7 +151,7 @@ class DecodeStep:
         self.tok = torch.zeros(rows, 1, dtype=torch.long, device=device)  # [Rb, 1] graph inputs
         self.pos = torch.zeros_like(self.tok)
         self.logits: torch.Tensor | None = None  # [Rb, V] of the last forward (a captured forward's own buffer)
-        self.fn, self.runner, self.artifacts = _forward, model, None
+        self.fn, self.runner, self.artifacts, self.prefill_artifacts = _forward, model, None, None
         if compile_config is not None:
             kwargs = step_compile_kwargs(compile_config, device.type, decode.step_inductor_options)
             if layers is not None:  # one graph for every decoder layer, bucket and prompt length (regional.py)
@@ -163,8 +163,11 @@ class DecodeStep:
                 self.fn = torch.compile(_forward, dynamic=False, **kwargs)
             if kwargs["backend"] == "inductor":  # what inductor compiles is kept across processes (artifacts.py)
                 self.artifacts = artifacts.artifact_path(model, f"{'regional' if layers else 'whole'} {kwargs!r}")
-                if self.artifacts is not None:
-                    artifacts.load(self.artifacts)
+                if layers is not None:  # a file of its own: written after the step's, once a prefill compiled
+                    self.prefill_artifacts = artifacts.artifact_path(model, f"regional prefill {kwargs!r}")
+                for path in (self.artifacts, self.prefill_artifacts):
+                    if path is not None:
+                        artifacts.load(path)
         self.state: Warming | Captured | Eager = (Warming(WARM_UP_STEPS) if device.type == "cuda" else
                                                   Eager("CUDA graphs need a CUDA device"))
         self.choice: Choice | None = None
@@ -199,6 +202,12 @@ class DecodeStep:
         if self.decode.compiled_prefill and self.fn is _regional_forward and self.state.__class__ is Captured:
             return self.runner
         return None
+
+    def keep_prefill_compiled(self) -> None:
+        """A prefill was recorded through ``prefill_runner``: what inductor compiled for it kept across processes
+        (``artifacts.save``, once per process: the step's own file was written before it compiled)."""
+        if self.prefill_artifacts is not None:
+            artifacts.save(self.prefill_artifacts)
 
     @property
     def graph(self) -> torch.cuda.CUDAGraph | None:

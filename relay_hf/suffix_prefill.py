@@ -62,8 +62,9 @@ class SuffixPrefill:
     (``RelayState.stop_recording_prefills``): what failed at one length (an MoE's data-dependent routing) fails at
     every other, and its calls are no longer laid out wider.
 
-    Recorded through a compiled ``runner`` (``DecodeStep.prefill_runner``) where the call hands one: a length's first
-    run there compiles the decoder layer for the prefill's shape, and the graph recorded after it replaces that
+    Recorded through the decode step's compiled copy of the model where the call's ``step`` has one
+    (``DecodeStep.prefill_runner``): a length's first run there compiles the decoder layer for the prefill's shape
+    (kept across processes: ``DecodeStep.keep_prefill_compiled``), and the graph recorded after it replaces that
     length's eager one. Compiling or recording that fails (warned once) puts back the cache positions it wrote and
     records the eager forward, on this model from then on (``RelayState.stop_compiling_prefills``)."""
 
@@ -75,19 +76,18 @@ class SuffixPrefill:
     def __deepcopy__(self, memo):  # a CUDA graph cannot be copied; a copied model records its own
         return None
 
-    def __call__(self, model, cache, ids: torch.Tensor, pos: torch.Tensor, runner=None) -> torch.Tensor:
+    def __call__(self, model, cache, ids: torch.Tensor, pos: torch.Tensor, step=None) -> torch.Tensor:
         """The last logits ``[Rb, V]`` of ``ids`` / ``pos`` ``[Rb, L]`` prefilled into ``cache`` (CUDA, its suffix
-        empty). ``runner``: the compiled copy of the model to record through, or ``None`` (the model). A replay's
-        logits are the graph's own buffer: read them before the next prefill of this length."""
+        empty). ``step``: the ``step.DecodeStep`` on ``cache``, or ``None``. A replay's logits are the graph's own
+        buffer: read them before the next prefill of this length."""
         from .kernels.config import active_config
 
-        if runner is not None and relay_state(model).prefill_uncompiled is not None:
-            runner = None
+        runner = None if step is None or relay_state(model).prefill_uncompiled is not None else step.prefill_runner
         # the recorded launches follow the kernel configuration in force
         key = ids.shape, active_config(), runner is not None
         entry = self.graphs.get(key)
         if entry is None:
-            return self._first(model, runner, cache, ids, pos, key)
+            return self._first(model, runner, cache, ids, pos, key, step)
         if entry.__class__ is Eager:
             return prefill_logits(model, self.name, cache, ids, pos)
         entry.ids.copy_(ids)
@@ -95,18 +95,20 @@ class SuffixPrefill:
         entry.graph.replay()
         return entry.logits
 
-    def _first(self, model, runner, cache, ids: torch.Tensor, pos: torch.Tensor, key: tuple) -> torch.Tensor:
+    def _first(self, model, runner, cache, ids: torch.Tensor, pos: torch.Tensor, key: tuple, step) -> torch.Tensor:
         ids_in, pos_in = ids.clone(), pos.clone()  # the graph's inputs
         if runner is not None:
             marks = cache.fill_marks()
             try:
-                return self._record(model, runner, cache, ids_in, pos_in, key)
+                logits = self._record(model, runner, cache, ids_in, pos_in, key)
             except Exception as err:  # noqa: BLE001 - record the eager forward rather than lose the call
                 reason = f"compiling the suffix prefill failed ({type(err).__name__}: {err})"
                 warnings.warn(f"relay_hf: {reason}; recording it uncompiled", RuntimeWarning, stacklevel=5)
                 relay_state(model).stop_compiling_prefills(reason)
                 cache.rewind(marks)  # (the layers its run reached wrote their positions)
                 return self(model, cache, ids, pos)  # this length's eager graph, replayed or recorded now
+            step.keep_prefill_compiled()
+            return logits
         try:
             return self._record(model, model, cache, ids_in, pos_in, key)
         except _Unrecorded as failed:

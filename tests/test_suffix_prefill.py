@@ -112,10 +112,13 @@ def _recorded(model) -> dict:
 
 
 @pytest.mark.gpu
-def test_once_the_step_runs_compiled_a_length_is_recorded_again_through_its_compiled_layer_on_gpu():
+def test_once_the_step_runs_compiled_a_length_is_recorded_again_through_its_compiled_layer_on_gpu(tmp_path,
+                                                                                                 monkeypatch):
     """fp32 on CUDA with ``decode="compile"``: a slot's first turn records its prefill through the eager forward (the
     region compiles for the decode step first); the next turn at that length records it through the step's compiled
-    decoder layer and drops the eager graph; later turns replay it; every turn's tokens are stock's."""
+    decoder layer and drops the eager graph, and what inductor compiled for it is kept in a file of its own; later
+    turns replay it; every turn's tokens are stock's."""
+    monkeypatch.setenv("RELAY_HF_CACHE_DIR", str(tmp_path))
     model, prompt, turns = _pinned_turns(73, (5, 11, 7, 20))
     gen = dict(max_new_tokens=6, do_sample=False)
     stock = [run_stock(model, row, torch.ones_like(row), **gen) for row in turns]
@@ -130,6 +133,9 @@ def test_once_the_step_runs_compiled_a_length_is_recorded_again_through_its_comp
     assert all(isinstance(entry, _Graph) for r in seen for entry in r.values())
     assert seen[2][16, True] is seen[1][16, True]  # replayed, not recorded again
     assert relay_state(model).prefill_uncompiled is None
+    step = relay_state(model).idle_static().stepper
+    assert step.prefill_artifacts.parent == tmp_path and step.prefill_artifacts != step.artifacts
+    assert step.prefill_artifacts.exists()
 
 
 @pytest.mark.gpu

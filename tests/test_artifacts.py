@@ -89,3 +89,35 @@ def test_without_a_home_directory_the_cache_is_under_the_temp_directory(monkeypa
     monkeypatch.delenv("HOME", raising=False)
     monkeypatch.setattr("os.path.expanduser", lambda path: path)  # what it returns with no home to expand to
     assert artifacts.cache_dir().is_relative_to(tempfile.gettempdir())
+
+
+def test_a_regional_step_loads_its_prefills_file_and_a_compiled_prefill_writes_it(monkeypatch, tmp_path):
+    """A step compiled by regions with inductor loads its own file and its compiled prefills' before anything
+    compiles; a prefill recorded through its layer writes the second (the first is written once per process, before
+    any prefill compiles). A step compiled whole keeps no prefill file: its prefills run the model's forward."""
+    from transformers import CompileConfig
+
+    import relay_hf
+    from relay_hf.regional import decoder_layers
+    from relay_hf.state import relay_state
+    from relay_hf.step import DEFAULT_DECODE, DecodeStep
+    from tests.helpers import shared_prefix_batch
+
+    monkeypatch.setenv("RELAY_HF_CACHE_DIR", str(tmp_path))
+    loaded, saved = [], []
+    monkeypatch.setattr(artifacts, "load", lambda path: loaded.append(path) or False)
+    monkeypatch.setattr(artifacts, "save", saved.append)
+    model = relay_hf.patch(tiny_model("llama"), min_prefix_length=8, decode="graph")
+    ids, mask, _ = shared_prefix_batch(suffix_lens=(3, 9), seed=75)
+    model.generate(ids, attention_mask=mask, max_new_tokens=3, do_sample=False)
+    cache = relay_state(model).idle_static().cache
+    step = DecodeStep(model, cache, 2, CompileConfig(), ("key",), DEFAULT_DECODE, decoder_layers(model))
+    assert step.prefill_artifacts.parent == step.artifacts.parent == tmp_path / "compiled"
+    assert step.prefill_artifacts != step.artifacts and loaded == [step.artifacts, step.prefill_artifacts]
+    assert step.prefill_runner is None  # off CUDA the step is never captured: its prefills stay the model's
+    step.keep_prefill_compiled()
+    assert saved == [step.prefill_artifacts]
+    whole = DecodeStep(model, cache, 2, CompileConfig(), ("key",), DEFAULT_DECODE, None)
+    assert whole.artifacts is not None and whole.prefill_artifacts is None
+    whole.keep_prefill_compiled()
+    assert saved == [step.prefill_artifacts]

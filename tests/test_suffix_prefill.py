@@ -134,7 +134,7 @@ def test_once_the_step_runs_compiled_a_length_is_recorded_again_through_its_comp
     assert seen[2][16, True] is seen[1][16, True]  # replayed, not recorded again
     assert relay_state(model).prefill_uncompiled is None
     step = relay_state(model).idle_static().stepper
-    assert step.prefill_artifacts.parent == tmp_path and step.prefill_artifacts != step.artifacts
+    assert step.prefill_artifacts.parent == tmp_path / "compiled" and step.prefill_artifacts != step.artifacts
     assert step.prefill_artifacts.exists()
 
 

@@ -19,16 +19,16 @@ import torch
 
 from ._compat import cache_kwarg_name, optimized_for_decode
 from .sampling import Sampler, choose
-from .step import DEFAULT_DECODE, DecodeConfig, step_for
+from .step import DEFAULT_DECODE, DecodeConfig, made_step, step_for
 from .suffix_prefill import SuffixPrefill, prefill_logits, recorded_length
 
 
 def _prefill(model, slot, ids: torch.Tensor, mask: torch.Tensor, rows: int, decode: DecodeConfig, step=None):
     """The rows' own tokens after the cached prefix (``ids`` / ``mask`` ``[R, T]``, relay layout), at ``rows >= R``
-    rows: the extra rows copy row 0. Recorded as a CUDA graph per suffix length where ``recorded_length`` allows
-    (one prefix, CUDA; ``suffix_prefill.py``; through ``step``'s compiled layer where it has one), else eager
-    ops. Returns the last logits ``[rows, V]``, and the last tokens and their next positions, ``[rows, 1]`` int64
-    each (the decode step's first inputs)."""
+    rows: the extra rows copy row 0. Recorded as a CUDA graph per suffix length where ``recorded_length`` allows (one
+    prefix, CUDA; ``suffix_prefill.py``; through ``step``'s compiled layer where it has one: the slot's step an earlier
+    call made, ``step.made_step``), else eager ops. Returns the last logits ``[rows, V]``, and the last tokens and their
+    next positions, ``[rows, 1]`` int64 each (the decode step's first inputs)."""
     fill = torch.zeros(rows - ids.shape[0], dtype=torch.long, device=ids.device)
     ids_b, mask_b = torch.cat([ids, ids[fill]]), torch.cat([mask, mask[fill]])
     pos = (mask_b.long().cumsum(-1) - 1).masked_fill(mask_b == 0, 0)  # stock's positions: pads get 0
@@ -126,10 +126,9 @@ def fast_generate(model, ids: torch.Tensor, mask: torch.Tensor, stock_ids: torch
     R = ids.shape[0]
     cache = slot.cache
     Rb = cache.layers[0].suffix_padding.shape[0]
+    logits, last, pos = _prefill(model, slot, ids, mask, Rb, decode, made_step(slot, Rb, compile_config, decode))
     with optimized_for_decode(model):  # as stock's decode steps run (an MoE's experts: batched, capturable)
         step = step_for(model, slot, Rb, compile_config, decode)
-    logits, last, pos = _prefill(model, slot, ids, mask, Rb, decode, step)
-    with optimized_for_decode(model):
         choice = step.choice_for(R, cache.layers[0].max_suffix_length, logits.shape[-1], sampler)
         choice.start(sampler, rows_per_input)
         step.tok.copy_(last)

@@ -198,14 +198,22 @@ class DecodeStep:
         """What the rows' own prefill on this step's cache is recorded through (``suffix_prefill.SuffixPrefill``):
         the step's compiled copy of the model (``regional.decode_view``) once the step runs compiled by regions and is
         captured, so the region compiled for this cache first and a slot's first call compiles no prefill; else
-        ``None``: the model's eager forward."""
-        if self.decode.compiled_prefill and self.fn is _regional_forward and self.state.__class__ is Captured:
+        ``None``: the model's eager forward, also for good once a compiled prefill failed on the model
+        (``RelayState.prefill_uncompiled``)."""
+        if (self.decode.compiled_prefill and self.fn is _regional_forward and self.state.__class__ is Captured
+                and relay_state(self.model).prefill_uncompiled is None):
             return self.runner
         return None
 
+    @property
+    def compile_settings(self) -> str | None:
+        """The compile settings the step was made for (``_step_key``; ``None``: not compiled)."""
+        return self.key[1]
+
     def keep_prefill_compiled(self) -> None:
         """A prefill was recorded through ``prefill_runner``: what inductor compiled for it kept across processes
-        (``artifacts.save``, once per process: the step's own file was written before it compiled)."""
+        (``artifacts.save``: once per process, so what the process compiles for prefills after that is not in the file;
+        the step's own file was written before any prefill compiled)."""
         if self.prefill_artifacts is not None:
             artifacts.save(self.prefill_artifacts)
 
@@ -324,14 +332,26 @@ def step_compile_kwargs(compile_config, device_type: str,
     return dict(fullgraph=compile_config.fullgraph, backend=compile_config.backend, mode=mode, options=options)
 
 
-def step_for(model, slot, rows: int, compile_config, decode: DecodeConfig) -> DecodeStep:
-    """The slot's step if it was made for these settings, else a new one (announced: it captures or compiles). The
-    kernel configuration in force is one of them: the captured launches, and the work tables a static cache of
-    several prefixes lays out for the next call, follow it."""
+def _step_key(rows: int, compile_config, decode: DecodeConfig) -> tuple:
+    """What a step is made for: its rows, compile settings, loop settings and the kernel configuration in force (the
+    captured launches, and the work tables a static cache of several prefixes lays out for the next call, follow
+    it)."""
     from .kernels.config import active_config
 
-    compiled = None if compile_config is None else repr(compile_config.to_dict())
-    key = rows, compiled, decode, active_config()
+    return rows, None if compile_config is None else repr(compile_config.to_dict()), decode, active_config()
+
+
+def made_step(slot, rows: int, compile_config, decode: DecodeConfig) -> DecodeStep | None:
+    """The slot's step if an earlier call made it for these settings, else ``None`` (nothing is made: a step is made
+    after its cache's first prefill, which creates the buffers its compiled layer marks dynamic, ``regional.py``)."""
+    step = slot.stepper
+    return step if step is not None and step.key == _step_key(rows, compile_config, decode) else None
+
+
+def step_for(model, slot, rows: int, compile_config, decode: DecodeConfig) -> DecodeStep:
+    """The slot's step if it was made for these settings (``_step_key``), else a new one (announced: it captures or
+    compiles)."""
+    key = _step_key(rows, compile_config, decode)
     if slot.stepper is not None and slot.stepper.key == key:
         return slot.stepper
     slot.stepper = None  # free the old graphs' pool first

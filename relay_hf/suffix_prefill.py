@@ -57,10 +57,10 @@ class _Graph:
 
 
 class SuffixPrefill:
-    """Suffix prefills on one static cache, by (shape, kernel configuration, compiled): ``_Graph`` once recorded,
-    ``Eager`` when recording failed, absent before the first run. A failure (warned once) ends recording on the model
-    (``RelayState.stop_recording_prefills``): what failed at one length (an MoE's data-dependent routing) fails at
-    every other, and its calls are no longer laid out wider.
+    """Suffix prefills on one static cache, by (shape, kernel configuration, compile settings or ``None``): ``_Graph``
+    once recorded, ``Eager`` when recording failed, absent before the first run. A failure (warned once) ends recording
+    on the model (``RelayState.stop_recording_prefills``): what failed at one length (an MoE's data-dependent routing)
+    fails at every other, and its calls are no longer laid out wider.
 
     Recorded through the decode step's compiled copy of the model where the call's ``step`` has one
     (``DecodeStep.prefill_runner``): a length's first run there compiles the decoder layer for the prefill's shape
@@ -78,16 +78,22 @@ class SuffixPrefill:
 
     def __call__(self, model, cache, ids: torch.Tensor, pos: torch.Tensor, step=None) -> torch.Tensor:
         """The last logits ``[Rb, V]`` of ``ids`` / ``pos`` ``[Rb, L]`` prefilled into ``cache`` (CUDA, its suffix
-        empty). ``step``: the ``step.DecodeStep`` on ``cache``, or ``None``. A replay's logits are the graph's own
-        buffer: read them before the next prefill of this length."""
+        empty). ``step``: the ``step.DecodeStep`` on ``cache`` an earlier call made, or ``None``. A replay's logits
+        are the graph's own buffer: read them before the next prefill of this length."""
         from .kernels.config import active_config
 
-        runner = None if step is None or relay_state(model).prefill_uncompiled is not None else step.prefill_runner
-        # the recorded launches follow the kernel configuration in force
-        key = ids.shape, active_config(), runner is not None
+        runner = None if step is None else step.prefill_runner
+        # the recorded launches follow the kernel configuration in force, and the compile settings they ran under
+        key = ids.shape, active_config(), None if runner is None else step.compile_settings
         entry = self.graphs.get(key)
+        if entry is None and runner is not None:
+            logits = self._first_compiled(model, runner, cache, ids, pos, key, step)
+            if logits is not None:
+                return logits
+            key = (*key[:-1], None)  # (it failed: the eager forward's graph of this length)
+            entry = self.graphs.get(key)
         if entry is None:
-            return self._first(model, runner, cache, ids, pos, key, step)
+            return self._first(model, cache, ids, pos, key)
         if entry.__class__ is Eager:
             return prefill_logits(model, self.name, cache, ids, pos)
         entry.ids.copy_(ids)
@@ -95,25 +101,36 @@ class SuffixPrefill:
         entry.graph.replay()
         return entry.logits
 
-    def _first(self, model, runner, cache, ids: torch.Tensor, pos: torch.Tensor, key: tuple, step) -> torch.Tensor:
-        ids_in, pos_in = ids.clone(), pos.clone()  # the graph's inputs
-        if runner is not None:
-            marks = cache.fill_marks()
-            try:
-                logits = self._record(model, runner, cache, ids_in, pos_in, key)
-            except Exception as err:  # noqa: BLE001 - record the eager forward rather than lose the call
-                reason = f"compiling the suffix prefill failed ({type(err).__name__}: {err})"
-                warnings.warn(f"relay_hf: {reason}; recording it uncompiled", RuntimeWarning, stacklevel=5)
-                relay_state(model).stop_compiling_prefills(reason)
-                cache.rewind(marks)  # (the layers its run reached wrote their positions)
-                return self(model, cache, ids, pos)  # this length's eager graph, replayed or recorded now
-            step.keep_prefill_compiled()
-            return logits
+    def _first_compiled(self, model, runner, cache, ids: torch.Tensor, pos: torch.Tensor, key: tuple,
+                        step) -> torch.Tensor | None:
+        """A length's first prefill through ``runner``, recorded; ``None`` when compiling or recording it failed: then
+        warned, the positions its run wrote put back, and the model's prefills recorded eagerly from now on. An
+        out-of-memory error is the call's, not the compile's: raised."""
+        marks = cache.fill_marks()
         try:
-            return self._record(model, model, cache, ids_in, pos_in, key)
+            logits = self._record(model, runner, cache, ids.clone(), pos.clone(), key)
+        except torch.OutOfMemoryError:
+            cache.rewind(marks)
+            raise
+        except Exception as err:  # noqa: BLE001 - record the eager forward rather than lose the call
+            cause = err.err if isinstance(err, _Unrecorded) else err
+            reason = f"compiling the suffix prefill failed ({type(cause).__name__}: {cause})"
+            # stacklevel: fast_generate's caller, as the decode step's warnings
+            warnings.warn(f"relay_hf: {reason}; recording it uncompiled", RuntimeWarning, stacklevel=5)
+            relay_state(model).stop_compiling_prefills(reason)
+            cache.rewind(marks)  # (the layers its run reached wrote their positions)
+            self.graphs = {k: v for k, v in self.graphs.items() if k[-1] is None}  # never replayed again
+            return None
+        step.keep_prefill_compiled()
+        return logits
+
+    def _first(self, model, cache, ids: torch.Tensor, pos: torch.Tensor, key: tuple) -> torch.Tensor:
+        """A length's first prefill through the model's eager forward, recorded (``Eager`` where recording fails:
+        warned, and the model's prefills run as eager ops from now on)."""
+        try:
+            return self._record(model, model, cache, ids.clone(), pos.clone(), key)
         except _Unrecorded as failed:
             reason = f"capturing the suffix prefill failed ({type(failed.err).__name__}: {failed.err})"
-            # stacklevel: fast_generate's caller, as the decode step's warnings
             warnings.warn(f"relay_hf: {reason}; prefilling without a CUDA graph", RuntimeWarning, stacklevel=5)
             self.graphs[key] = Eager(reason)
             relay_state(model).stop_recording_prefills(reason)
@@ -134,8 +151,8 @@ class SuffixPrefill:
             raise _Unrecorded(err, logits) from err
         self.pool = graph.pool()
         self.graphs[key] = _Graph(graph, ids, pos, out)
-        if key[-1]:  # the eager graph of this length is not replayed again: its memory goes back to the pool
-            self.graphs.pop((*key[:-1], False), None)
+        if key[-1] is not None:  # the eager graph of this length is not replayed again: its memory goes to the pool
+            self.graphs.pop((*key[:-1], None), None)
         return logits
 
 

@@ -108,7 +108,8 @@ def _pinned_turns(seed: int, lengths: tuple[int, ...]):
 
 def _recorded(model) -> dict:
     """The idle slot's recorded prefills as ``{(recorded length, compiled): entry}``."""
-    return {(key[0][1], key[2]): entry for key, entry in relay_state(model).idle_static().prefill.graphs.items()}
+    graphs = relay_state(model).idle_static().prefill.graphs
+    return {(key[0][1], key[2] is not None): entry for key, entry in graphs.items()}
 
 
 @pytest.mark.gpu
@@ -140,15 +141,24 @@ def test_once_the_step_runs_compiled_a_length_is_recorded_again_through_its_comp
 
 @pytest.mark.gpu
 def test_a_prefill_that_fails_to_compile_is_recorded_eagerly_from_then_on_on_gpu():
-    """A backend that compiles the decode step's layer but fails on the prefill's (more than one token a row): the
-    turn warns once, puts back the positions the failed run wrote, records the eager forward, and keeps stock's
-    tokens; the model's later turns record eagerly without trying again."""
+    """A backend whose prefill graph (more than one token a row) fails when the second layer runs it, after the
+    first layer wrote its positions: the turn warns once, puts back those positions, records the eager forward, and
+    keeps stock's tokens; the model's later turns record eagerly without trying again."""
     from transformers import CompileConfig
 
+    runs = []
+
     def decode_only(gm, example_inputs):
-        if any(isinstance(t, torch.Tensor) and t.dim() == 3 and t.shape[1] != 1 for t in example_inputs):
-            raise RuntimeError("this backend compiles no prefill")
-        return gm.forward
+        if not any(isinstance(t, torch.Tensor) and t.dim() == 3 and t.shape[1] != 1 for t in example_inputs):
+            return gm.forward
+
+        def second_layer_fails(*args):
+            runs.append(1)
+            if len(runs) >= 2:
+                raise RuntimeError("this backend runs no prefill past one layer")
+            return gm.forward(*args)
+
+        return second_layer_fails
 
     model, prompt, turns = _pinned_turns(74, (5, 11, 20))
     gen = dict(max_new_tokens=6, do_sample=False, compile_config=CompileConfig(backend=decode_only, mode=None))
@@ -157,8 +167,9 @@ def test_a_prefill_that_fails_to_compile_is_recorded_eagerly_from_then_on_on_gpu
     relay_hf.pin(model, prompt)
     torch._dynamo.reset()
     assert torch.equal(model.generate(turns[0], attention_mask=torch.ones_like(turns[0]), **gen), stock[0])
-    with pytest.warns(RuntimeWarning, match="compiling the suffix prefill failed"):
+    with pytest.warns(RuntimeWarning, match="compiling the suffix prefill failed") as caught:
         out = model.generate(turns[1], attention_mask=torch.ones_like(turns[1]), **gen)
+    assert sum("suffix prefill" in str(w.message) for w in caught) == 1 and len(runs) == 2
     assert torch.equal(out, stock[1]) and model.relay_last_decision.decode_step == "compiled"
     assert relay_state(model).prefill_uncompiled is not None and sorted(_recorded(model)) == [(16, False)]
     ends = {int(layer.end) for layer in relay_state(model).idle_static().cache.layers}

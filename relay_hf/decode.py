@@ -126,7 +126,10 @@ def fast_generate(model, ids: torch.Tensor, mask: torch.Tensor, stock_ids: torch
     R = ids.shape[0]
     cache = slot.cache
     Rb = cache.layers[0].suffix_padding.shape[0]
-    logits, last, pos = _prefill(model, slot, ids, mask, Rb, decode, made_step(slot, Rb, compile_config, decode))
+    made = made_step(slot, Rb, compile_config, decode)
+    if made is None:
+        slot.stepper = None  # a step for other settings: its graphs freed before the prefill records
+    logits, last, pos = _prefill(model, slot, ids, mask, Rb, decode, made)
     with optimized_for_decode(model):  # as stock's decode steps run (an MoE's experts: batched, capturable)
         step = step_for(model, slot, Rb, compile_config, decode)
         choice = step.choice_for(R, cache.layers[0].max_suffix_length, logits.shape[-1], sampler)

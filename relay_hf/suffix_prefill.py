@@ -114,6 +114,9 @@ class SuffixPrefill:
             raise
         except Exception as err:  # noqa: BLE001 - record the eager forward rather than lose the call
             cause = err.err if isinstance(err, _Unrecorded) else err
+            if isinstance(cause, torch.OutOfMemoryError):  # (while recording)
+                cache.rewind(marks)
+                raise cause from None
             reason = f"compiling the suffix prefill failed ({type(cause).__name__}: {cause})"
             # stacklevel: fast_generate's caller, as the decode step's warnings
             warnings.warn(f"relay_hf: {reason}; recording it uncompiled", RuntimeWarning, stacklevel=5)
@@ -151,8 +154,10 @@ class SuffixPrefill:
             raise _Unrecorded(err, logits) from err
         self.pool = graph.pool()
         self.graphs[key] = _Graph(graph, ids, pos, out)
-        if key[-1] is not None:  # the eager graph of this length is not replayed again: its memory goes to the pool
-            self.graphs.pop((*key[:-1], None), None)
+        # one graph per length: the other road's (the eager one once compiled, a compiled one no step will hand a
+        # runner for again) is not replayed again, and its memory goes back to the pool
+        for other in [k for k in self.graphs if k[:-1] == key[:-1] and k != key]:
+            del self.graphs[other]
         return logits
 
 

@@ -131,7 +131,7 @@ def fast_generate(model, ids: torch.Tensor, mask: torch.Tensor, stock_ids: torch
         slot.stepper = None  # a step for other settings: its graphs freed before the prefill records
     logits, last, pos = _prefill(model, slot, ids, mask, Rb, decode, made)
     with optimized_for_decode(model):  # as stock's decode steps run (an MoE's experts: batched, capturable)
-        step = step_for(model, slot, Rb, compile_config, decode)
+        step = made if made is not None else step_for(model, slot, Rb, compile_config, decode)
         choice = step.choice_for(R, cache.layers[0].max_suffix_length, logits.shape[-1], sampler)
         choice.start(sampler, rows_per_input)
         step.tok.copy_(last)

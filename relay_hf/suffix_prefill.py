@@ -109,19 +109,15 @@ class SuffixPrefill:
         marks = cache.fill_marks()
         try:
             logits = self._record(model, runner, cache, ids.clone(), pos.clone(), key)
-        except torch.OutOfMemoryError:
-            cache.rewind(marks)
-            raise
         except Exception as err:  # noqa: BLE001 - record the eager forward rather than lose the call
             cause = err.err if isinstance(err, _Unrecorded) else err
-            if isinstance(cause, torch.OutOfMemoryError):  # (while recording)
-                cache.rewind(marks)
+            cache.rewind(marks)  # (the layers its run reached wrote their positions)
+            if isinstance(cause, torch.OutOfMemoryError):  # running or recording: the call's, not the compile's
                 raise cause from None
             reason = f"compiling the suffix prefill failed ({type(cause).__name__}: {cause})"
             # stacklevel: fast_generate's caller, as the decode step's warnings
             warnings.warn(f"relay_hf: {reason}; recording it uncompiled", RuntimeWarning, stacklevel=5)
             relay_state(model).stop_compiling_prefills(reason)
-            cache.rewind(marks)  # (the layers its run reached wrote their positions)
             self.graphs = {k: v for k, v in self.graphs.items() if k[-1] is None}  # never replayed again
             return None
         step.keep_prefill_compiled()

@@ -100,6 +100,10 @@ SHAPES = {
                       num_attention_heads=16, num_key_value_heads=8, head_dim=256, vocab_size=256000,
                       sliding_window=4096, attn_logit_softcapping=50.0, final_logit_softcapping=30.0,
                       query_pre_attn_scalar=256, attn_implementation="eager"),
+    # Phi-3-mini's shape: head dim 96 (a size the kernels meet nowhere else), 32 KV heads; full attention
+    "phi3-mini": dict(config="Phi3Config", hidden_size=3072, intermediate_size=8192, num_hidden_layers=32,
+                      num_attention_heads=32, num_key_value_heads=32, vocab_size=32064, rope_theta=10000.0,
+                      sliding_window=None),
 }
 # what a point measures (``--only`` picks some: a slow stock baseline need not run every call)
 METRIC_GROUPS = ("ttft", "step", "streamed", "sampling", "new_batch", "longer_prompt", "kv_memory", "host")

@@ -20,7 +20,6 @@ skipped), one embedding lookup, and a read of (c)'s parameters where the model h
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import logging
 import re
@@ -32,7 +31,7 @@ import torch
 from transformers.cache_utils import DynamicCache
 
 from ._compat import cache_kwarg_name
-from .graphs import capture_graph
+from .graphs import capture_graph, queued_on
 
 logger = logging.getLogger("relay_hf")
 
@@ -118,23 +117,6 @@ def _check_stream(index: int) -> torch.cuda.Stream:
     return torch.cuda.Stream(index, priority=-1)
 
 
-@contextlib.contextmanager
-def _on(stream: torch.cuda.Stream | None, device: torch.device, reads: tuple = ()):
-    """Work queued on ``stream`` after what the caller queued so far (the caller's stream does not wait for it), or
-    on the caller's stream where ``stream`` is ``None``. ``reads``: the caller's tensors it reads, kept from reuse
-    until it has."""
-    if stream is None:
-        yield
-        return
-    with torch.cuda.device(device):
-        stream.wait_stream(torch.cuda.current_stream())
-        for t in reads:
-            if t.is_cuda:
-                t.record_stream(stream)
-        with torch.cuda.stream(stream):
-            yield
-
-
 class _Replay:
     """``_head_kv`` captured as a CUDA graph on its first replay (an eager forward of a few tokens through every layer
     is host-bound: ~25 ms on a 32-layer model on an H200, the replay reads the weights at memory speed). It reads the
@@ -168,8 +150,10 @@ class _Replay:
             self.ids = head.to(model.device)  # the graph's input, kept alive with it (no copy while capturing)
             stream = check_stream(model.device)
             try:
-                with _on(stream, model.device):  # warmed up where it is recorded: the stream's cuBLAS workspace
-                    _head_kv(model, self.ids)      # exists before the capture, outside the graph's pool
+                # warmed up where it is recorded: the stream's cuBLAS workspace exists before the capture, outside
+                # the graph's pool
+                with queued_on(stream, model.device):
+                    _head_kv(model, self.ids)
                 torch.cuda.current_stream(model.device).wait_stream(stream)
                 graph, kv = capture_graph(lambda: _head_kv(model, self.ids), model.device, stream=stream)
             except Exception as err:  # noqa: BLE001 - any capture failure: the eager forward is the same check
@@ -192,8 +176,8 @@ class _Replay:
         return self.kv
 
     def on_stream(self, model, reads: tuple = ()):
-        """``_on`` this check's stream (``None`` before its capture, or eager: the caller's stream)."""
-        return _on(self.stream, model.device, reads)
+        """``queued_on`` this check's stream (``None`` before its capture, or eager: the caller's stream)."""
+        return queued_on(self.stream, model.device, reads)
 
     def join(self, model) -> None:
         """The caller's stream made to wait for what this check queued (no host wait)."""

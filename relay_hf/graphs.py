@@ -9,6 +9,7 @@ each warms up the same way torch's capture recipe does, on a side stream (``on_s
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TypeVar
@@ -48,15 +49,31 @@ class Eager:
     reason: str
 
 
+@contextlib.contextmanager
+def queued_on(stream: torch.cuda.Stream | None, device: torch.device, reads: tuple = ()):
+    """Work queued on ``stream`` after what the caller queued so far (the caller's stream does not wait for it), or
+    on the caller's stream where ``stream`` is ``None``. ``reads``: the caller's tensors it reads, kept from reuse
+    until it has."""
+    if stream is None:
+        yield
+        return
+    with torch.cuda.device(device):
+        stream.wait_stream(torch.cuda.current_stream())
+        for t in reads:
+            if t.is_cuda:
+                t.record_stream(stream)
+        with torch.cuda.stream(stream):
+            yield
+
+
 def on_side_stream(fn: Callable[[], T], device: torch.device) -> T:
     """``fn()`` on a new stream of ``device`` that first waits for the current one, which waits for it after (also
     when ``fn`` raises): the warm-up of torch's capture recipe, so the allocator's blocks and the libraries' workspaces
     a capture needs exist before it, away from the stream the capture will use."""
     with torch.cuda.device(device):
         side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
         try:
-            with torch.cuda.stream(side):
+            with queued_on(side, device):
                 return fn()
         finally:
             torch.cuda.current_stream().wait_stream(side)

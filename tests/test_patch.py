@@ -1,5 +1,8 @@
 """patch / unpatch: what patch switches, what it declines, and what unpatch restores."""
 
+import gc
+import weakref
+
 import pytest
 import torch
 
@@ -81,3 +84,58 @@ def test_a_second_model_of_a_head_size_compiles_no_kernel_again_on_gpu():
         assert compiled == []
     finally:
         knobs.jit_post_compile_hook = previous
+
+
+def _refs(model) -> tuple:
+    """Weak references to ``model`` and one of its weights (``_gone`` once both are freed)."""
+    return weakref.ref(model), weakref.ref(model.lm_head.weight)
+
+
+def _gone(refs: tuple) -> bool:
+    return all(ref() is None for ref in refs)
+
+
+@pytest.mark.parametrize("decode", ["auto", "graph"])
+def test_a_patched_model_is_released_with_its_weights(decode):
+    """What patch and its calls keep on the model (its generate, its state, the prefix store, the decode loop's
+    static caches) holds nothing outside it: ``del model; gc.collect()`` frees it as it frees a stock one."""
+    model = tiny_model("llama")
+    relay_hf.patch(model, decode=decode)
+    ids, mask, _ = shared_prefix_batch()
+    for _ in range(2):  # the second call takes the kept prefix (and the idle static cache)
+        model.generate(ids, attention_mask=mask, max_new_tokens=3, do_sample=False)
+    assert model.relay_last_decision.used
+    refs = _refs(model)
+    del model
+    gc.collect()
+    assert _gone(refs)
+
+
+def test_an_unpatched_model_is_released_at_del():
+    """``unpatch`` takes off every object patch put on the instance, the ones that refer back to the model
+    included: the model is then freed by reference counting alone, as a stock one is."""
+    gc.collect()
+    gc.disable()
+    try:
+        model = tiny_model("llama")
+        relay_hf.patch(model, decode="graph")
+        ids, mask, _ = shared_prefix_batch()
+        model.generate(ids, attention_mask=mask, max_new_tokens=3, do_sample=False)
+        relay_hf.unpatch(model)
+        refs = _refs(model)
+        del model
+        assert _gone(refs)
+    finally:
+        gc.enable()
+
+
+def test_a_generate_kept_after_del_still_runs():
+    """``model.generate`` holds its model as a bound method does: kept alone, it still generates."""
+    model = tiny_model("llama")
+    relay_hf.patch(model)
+    generate = model.generate
+    ids, mask, _ = shared_prefix_batch()
+    expected = model.generate(ids, attention_mask=mask, max_new_tokens=3, do_sample=False)
+    del model
+    gc.collect()
+    assert torch.equal(generate(ids, attention_mask=mask, max_new_tokens=3, do_sample=False), expected)

@@ -95,16 +95,18 @@ def _gone(refs: tuple) -> bool:
     return all(ref() is None for ref in refs)
 
 
-@pytest.mark.parametrize("decode", ["auto", "graph"])
-def test_a_patched_model_is_released_with_its_weights(decode):
+@pytest.mark.parametrize("device,decode", [("cpu", "auto"), ("cpu", "graph"),
+                                           pytest.param("cuda", "auto", marks=pytest.mark.gpu)])
+def test_a_patched_model_is_released_with_its_weights(device, decode):
     """What patch and its calls keep on the model (its generate, its state, the prefix store, the decode loop's
-    static caches) holds nothing outside it: ``del model; gc.collect()`` frees it as it frees a stock one."""
-    model = tiny_model("llama")
+    static caches; on CUDA its captured steps, prefills and kept-prefix checks) holds nothing outside it:
+    ``del model; gc.collect()`` frees it as it frees a stock one."""
+    model = tiny_model("llama").to(device)
     relay_hf.patch(model, decode=decode)
-    ids, mask, _ = shared_prefix_batch()
+    ids, mask, _ = (t.to(device) for t in shared_prefix_batch())
     for _ in range(2):  # the second call takes the kept prefix (and the idle static cache)
         model.generate(ids, attention_mask=mask, max_new_tokens=3, do_sample=False)
-    assert model.relay_last_decision.used
+    assert model.relay_last_decision.used and (device == "cpu" or model.relay_last_decision.fast_decode)
     refs = _refs(model)
     del model
     gc.collect()

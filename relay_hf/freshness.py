@@ -152,10 +152,7 @@ class _Replay:
             try:
                 # warmed up where it is recorded: the stream's cuBLAS workspace exists before the capture, outside
                 # the graph's pool
-                with queued_on(stream, model.device):
-                    _head_kv(model, self.ids)
-                torch.cuda.current_stream(model.device).wait_stream(stream)
-                graph, kv = capture_graph(lambda: _head_kv(model, self.ids), model.device, stream=stream)
+                graph, kv = capture_graph(lambda: _head_kv(model, self.ids), model.device, warm_up=True, stream=stream)
             except Exception as err:  # noqa: BLE001 - any capture failure: the eager forward is the same check
                 logger.debug("relay_hf: the kept-prefix check runs eagerly: its capture failed: %s", err)
                 self.eager = True

@@ -66,12 +66,13 @@ def queued_on(stream: torch.cuda.Stream | None, device: torch.device, reads: tup
             yield
 
 
-def on_side_stream(fn: Callable[[], T], device: torch.device) -> T:
-    """``fn()`` on a new stream of ``device`` that first waits for the current one, which waits for it after (also
-    when ``fn`` raises): the warm-up of torch's capture recipe, so the allocator's blocks and the libraries' workspaces
-    a capture needs exist before it, away from the stream the capture will use."""
+def on_side_stream(fn: Callable[[], T], device: torch.device, side: torch.cuda.Stream | None = None) -> T:
+    """``fn()`` on ``side`` (``None``: a new stream of ``device``), which first waits for the current stream, which
+    waits for it after (also when ``fn`` raises): the warm-up of torch's capture recipe, so the allocator's blocks and
+    the libraries' workspaces a capture needs exist before it (``capture_graph`` passes the stream it records on, if
+    any, as ``side``)."""
     with torch.cuda.device(device):
-        side = torch.cuda.Stream()
+        side = side if side is not None else torch.cuda.Stream()
         try:
             with queued_on(side, device):
                 return fn()
@@ -81,17 +82,18 @@ def on_side_stream(fn: Callable[[], T], device: torch.device) -> T:
 
 def capture_graph(fn: Callable[[], T], device: torch.device, warm_up: bool = False, pool=None,
                   stream: torch.cuda.Stream | None = None) -> tuple[torch.cuda.CUDAGraph, T]:
-    """``fn`` recorded as a CUDA graph on ``device`` (whichever device is current), after one eager run on a side
-    stream when ``warm_up``, in the memory ``pool`` of graphs it never runs beside (``None``: a pool of its own),
-    on ``stream`` (``None``: torch's capture stream). The matrix products a graph records use the cuBLAS workspace
-    of the stream it is recorded on, so a graph replayed beside others is recorded on a stream they are not
-    (``freshness.check_stream``), after a warm-up there (the workspace then exists outside the graph's pool).
+    """``fn`` recorded as a CUDA graph on ``device`` (whichever device is current), after one eager run when
+    ``warm_up`` (on ``stream`` where given, else on a side stream), in the memory ``pool`` of graphs it never runs
+    beside (``None``: a pool of its own), on ``stream`` (``None``: torch's capture stream). The matrix products a
+    graph records use the cuBLAS workspace of the stream it is recorded on, so a graph replayed beside others is
+    recorded on a stream they are not (``freshness.check_stream``), after a warm-up there (the workspace then exists
+    outside the graph's pool).
     Returns the graph, not yet replayed, and what ``fn`` returned while recording (tensors the graph's replays
     write). Raises what the warm-up or the capture raised: nothing runs while recording, so what ``fn`` would change
     is intact then, and the caller decides what a failure means."""
     with torch.cuda.device(device):
         if warm_up:
-            on_side_stream(fn, device)
+            on_side_stream(fn, device, stream)
         graph = torch.cuda.CUDAGraph()
         # thread_local: another thread's eager work on the model (a concurrent stock call, a prefill, a decode step)
         # neither breaks this capture nor is refused while it runs

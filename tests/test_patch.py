@@ -97,12 +97,12 @@ def _gone(refs: tuple) -> bool:
     return all(ref() is None for ref in refs)
 
 
-ON_CUDA = [pytest.param("cuda", torch.float32, marks=pytest.mark.gpu),  # the captured eager step
-           pytest.param("cuda", torch.bfloat16, marks=pytest.mark.gpu)]  # the compiled decoder-layer region
+CAPTURED = pytest.param("cuda", torch.float32, "auto", marks=pytest.mark.gpu)  # the eager step captured
+COMPILED = pytest.param("cuda", torch.bfloat16, "auto", marks=pytest.mark.gpu)  # the decoder-layer region compiled
 
 
 @pytest.mark.parametrize("device,dtype,decode", [("cpu", torch.float32, "auto"), ("cpu", torch.float32, "graph"),
-                                                 *[pytest.param(*p.values, "auto", marks=p.marks) for p in ON_CUDA]])
+                                                 CAPTURED, COMPILED])
 def test_a_patched_model_is_released_with_its_weights(device, dtype, decode):
     """What patch and its calls keep on the model (its generate, its state, the prefix store, the decode loop's
     static caches; on CUDA its captured steps, compiled regions, prefills and kept-prefix checks) holds nothing
@@ -119,8 +119,7 @@ def test_a_patched_model_is_released_with_its_weights(device, dtype, decode):
     assert _gone(refs)
 
 
-@pytest.mark.parametrize("device,dtype,decode", [("cpu", torch.float32, "graph"),
-                                                 pytest.param(*ON_CUDA[0].values, "auto", marks=pytest.mark.gpu)])
+@pytest.mark.parametrize("device,dtype,decode", [("cpu", torch.float32, "graph"), CAPTURED])
 def test_an_unpatched_model_is_released_at_del(device, dtype, decode):
     """``unpatch`` takes off every object patch put on the instance, the ones that refer back to the model
     included (on CUDA the captured steps and checks go with its state): the model is then freed by reference

@@ -151,8 +151,10 @@ def _static_slot(model, base: RelayCache, route: Route, pads: torch.Tensor, path
     slot = relay_state(model).take_static(fits)
     if slot is None:
         slot = StaticSlot(base.fork(max_suffix_length=cap, suffix_padding=_extend(pads, rows),
-                                    paths=_extend(paths, rows)))
+                                    paths=_extend(paths, rows)), structure=route.structure)
     else:
+        if route.fast_decode:  # its step and prefills replayed only under the structure they were made under
+            slot.made_under(route.structure)
         held = slot.cache.layers[0].keys.shape[0]
         slot.cache.refill(base, _extend(pads, held).to(base.prefix_device), _extend(paths, held))
     return slot

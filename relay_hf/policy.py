@@ -121,7 +121,9 @@ class Route:
             share (the tree to prefill, or the caller's cache's, and each input row's path in it); ``gen``: the
             resolved config; ``processors``: stock's processors relay_hf's loop reproduces
             (``sampling.loop_processors``), from which the loop builds its sampler; ``depends``: what the prefixes
-            it keeps depend on (``kept_dependencies``, ``None`` where the call keeps none).
+            it keeps depend on (``kept_dependencies``, ``None`` where the call keeps none); ``structure``: on
+            relay_hf's loop, the model's structure as it is now (``store.Dependencies.structure``), under which alone
+            a static slot's recorded step and prefills are replayed (``state.StaticSlot.made_under``).
     """
 
     relay: bool
@@ -146,6 +148,7 @@ class Route:
     compile_config: CompileConfig | None = field(default=None, repr=False)
     processors: LoopProcessors | None = field(default=None, repr=False)
     depends: Dependencies | None = field(default=None, repr=False)
+    structure: tuple | None = field(default=None, repr=False)
 
     @property
     def grouped(self) -> bool:
@@ -429,8 +432,11 @@ def _decide(model, call: dict, before_walk: Callable[[Grouping], None] | None) -
     keeps = cache is None and keeps_prefixes(model)
     if keeps and before_walk is not None:
         before_walk(grouping)
-    depends = kv_dependencies(model) if keeps else None  # the call's one walk of the model
-    static, compiled = static_shape(model, gen, cache, grouping, fast, depends)
+    # the call's one walk of the model: what kept prefixes depend on, and the structure relay_hf's loop replays its
+    # slot's recorded step and prefills under (``state.StaticSlot.made_under``)
+    walked = kv_dependencies(model) if keeps or fast else None
+    depends = walked if keeps else None
+    static, compiled = static_shape(model, gen, cache, grouping, fast, walked)
     capacity = suffix = 0
     if static:  # rounded up so similar calls reuse one captured step
         suffix = max(T - int(n) - p for n, p in zip(n_pad.tolist(), prefix_lengths))
@@ -442,7 +448,7 @@ def _decide(model, call: dict, before_walk: Callable[[Grouping], None] | None) -
                  decode_step=decode_step(model, gen, fast, compiled), new_tokens=n_new, static_capacity=capacity,
                  static_rows=DEFAULT_DECODE.bucket(rows) if fast else rows, suffix_columns=suffix, ids=ids, mask=mask,
                  n_pad=n_pad, user_cache=cache, grouping=grouping, gen=gen, compile_config=compiled,
-                 processors=processors, depends=depends)
+                 processors=processors, depends=depends, structure=walked.structure if fast else None)
 
 
 def eligible(model, call: dict) -> None:

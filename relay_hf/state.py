@@ -19,12 +19,25 @@ from .store import PrefixStore
 @dataclass(eq=False)
 class StaticSlot:
     """A static ``RelayCache``, the decode step relay_hf's loop compiled / captured on its buffers and its recorded
-    suffix prefills (``suffix_prefill.SuffixPrefill``; each ``None`` until made). Kept together: a CUDA graph replays
-    on the exact buffers it was recorded with."""
+    suffix prefills (``suffix_prefill.SuffixPrefill``; each ``None`` until made), and the model's ``structure`` they
+    were made under (``store.Dependencies.structure``). Kept together: a CUDA graph replays on the exact buffers it
+    was recorded with."""
 
     cache: object
     stepper: object = None
     prefill: object = None
+    structure: object = field(default=None, repr=False)
+
+    def made_under(self, structure: object) -> StaticSlot:
+        """This slot for a call on the model as it is now (``structure``): a step and prefills made under another
+        structure are dropped (made again by the call), the buffers kept. A CUDA graph reads each parameter at the
+        address it was recorded with and runs no Python hook, and a compiled step's view holds the modules it was
+        made with, so a parameter or module replaced, a hook added or a dtype changed since would be replayed stale;
+        an in-place write keeps them (the graph reads the new values)."""
+        if self.structure != structure:
+            self.stepper = self.prefill = None
+            self.structure = structure
+        return self
 
 
 @dataclass(eq=False)

@@ -36,13 +36,14 @@ import torch
 from .freshness import local_shard, reached_partly
 
 
-def _tensors_signature(path: str, params: dict, buffers: dict, seen: set, partial: dict, out: list) -> None:
-    """Appends to ``out``, per parameter of one module (``params`` / ``buffers``: its own, not seen before): its
-    name, identity, address, dtype, device, shape and version counter (a tensor's ``_version`` goes up at every
-    in-place write made through it: optimizer steps, ``load_state_dict``, ``torch.no_grad()`` edits); per buffer the
-    same but its version (a rotary table the model rewrites at each forward, as dynamic and longrope embeddings do,
-    would drop every kept prefix; a hit's check reads what buffers hold). Host metadata only: no device read. Stacked
-    parameters (3+ dims: experts) go into ``partial``."""
+def _tensors_signature(path: str, params: dict, buffers: dict, seen: set, partial: dict, out: list,
+                       versions: list) -> None:
+    """Appends to ``out``, per parameter and buffer of one module (``params`` / ``buffers``: its own, not seen
+    before): its name, identity, address, dtype, device and shape; to ``versions``, per parameter, its version counter
+    (a tensor's ``_version`` goes up at every in-place write made through it: optimizer steps, ``load_state_dict``,
+    ``torch.no_grad()`` edits). Not a buffer's version: a rotary table the model rewrites at each forward, as dynamic
+    and longrope embeddings do, would drop every kept prefix; a hit's check reads what buffers hold. Host metadata
+    only: no device read. Stacked parameters (3+ dims: experts) go into ``partial``."""
     for is_param, tensors in ((True, params), (False, buffers)):
         for name, t in tensors.items():
             if t is None or id(t) in seen:
@@ -50,10 +51,11 @@ def _tensors_signature(path: str, params: dict, buffers: dict, seen: set, partia
             seen.add(id(t))
             local = t if type(t) in _PLAIN_TENSORS else local_shard(t)
             shape = tuple(t.shape)
-            out.append((path, name, id(t), local.data_ptr(), t.dtype, t.device, shape,
-                        local._version if is_param else None))
-            if is_param and len(shape) >= 3:
-                partial[id(t)] = t
+            out.append((path, name, id(t), local.data_ptr(), t.dtype, t.device, shape))
+            if is_param:
+                versions.append(local._version)
+                if len(shape) >= 3:
+                    partial[id(t)] = t
 
 
 _PLAIN_TENSORS = frozenset((torch.Tensor, torch.nn.Parameter))  # exact types with no shard to ask for (no getattr)
@@ -91,15 +93,16 @@ def _adapters(m: torch.nn.Module, own: dict) -> tuple:
     return tuple(str(getattr(m, a, None)) for a in switches)
 
 
-def _modules_signature(model: torch.nn.Module, partial: dict, indexed: list) -> tuple:
+def _modules_signature(model: torch.nn.Module, partial: dict, indexed: list, versions: list) -> tuple:
     """In one walk (every module once, parents first: ``named_modules``' order, without its nested generators, as
     the walk runs at every call), the parameters and buffers (``_tensors_signature``) and per module: its type,
     training flag, adapter switches (PEFT's ``disable_adapters`` / ``active_adapters`` / ``merged_adapters``, where a
     module has them), the forward hooks on it (activation steering changes the KV), a ``forward`` replaced on the
     instance, and the plain values its forward may read (``scaling``, a rotary ``attention_scaling``, a dict of
     adapter scales...); and torch's global forward hooks. The parameters of modules only some tokens reach
-    (``freshness.reached_partly``) go into ``partial``; ``(layer_idx, __dict__)`` of each module whose own
-    ``layer_idx`` is an int into ``indexed`` (what ``prefill.layer_windows`` and ``stats.layer_kv_bytes`` read)."""
+    (``freshness.reached_partly``) go into ``partial``, their version counters into ``versions``; ``(layer_idx,
+    __dict__)`` of each module whose own ``layer_idx`` is an int into ``indexed`` (what ``prefill.layer_windows`` and
+    ``stats.layer_kv_bytes`` read)."""
     out, tensors, seen, walked = [], [], set(), set()
     inputs = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
     stack = [("", model)]
@@ -114,7 +117,7 @@ def _modules_signature(model: torch.nn.Module, partial: dict, indexed: list) -> 
             at = f"{path}." if path else ""
             stack.extend([(f"{at}{k}", c) for k, c in reversed(children.items()) if c is not None])
         if own["_parameters"] or own["_buffers"]:
-            _tensors_signature(path, own["_parameters"], own["_buffers"], seen, partial, tensors)
+            _tensors_signature(path, own["_parameters"], own["_buffers"], seen, partial, tensors, versions)
         if reached_partly(m, inputs):
             partial.update((id(p), p) for p in m.parameters())
         index = own.get("layer_idx")
@@ -134,16 +137,30 @@ def _modules_signature(model: torch.nn.Module, partial: dict, indexed: list) -> 
 
 
 class Dependencies:
-    """What ``kv_dependencies`` returns: compared (``==``) by ``signature`` alone, the model's structure as one
-    value. Found in the same walk, for the call that took it: ``partial``, the parameters only some tokens reach (a
-    hit's check reads them), and ``indexed``, ``(layer_idx, __dict__)`` of the modules naming their layer (so the
-    call reads per-layer windows and KV sizes without walking the model again)."""
+    """What ``kv_dependencies`` returns: compared (``==``) by ``signature`` alone, the model's structure and its
+    parameters' version counters as one value.
 
-    __slots__ = ("signature", "partial", "indexed")
+    Attributes:
+        structure: the model's structure without the version counters (every module's type, flags, hooks and plain
+            values, every parameter's and buffer's identity, address, dtype, device and shape): what a recorded
+            forward depends on (a CUDA graph reads by address and runs no Python hook, a compiled view holds the
+            modules it was made with), which an in-place write leaves as it was (``state.StaticSlot.made_under``).
+        versions: the parameters' version counters, in the walk's order.
+        partial: the parameters only some tokens reach (a hit's check reads them), found in the same walk.
+        indexed: ``(layer_idx, __dict__)`` of the modules naming their layer (so the call reads per-layer windows and
+            KV sizes without walking the model again).
+    """
+
+    __slots__ = ("structure", "versions", "partial", "indexed")
     __hash__ = None
 
-    def __init__(self, signature: tuple, partial: list[torch.Tensor], indexed: tuple = ()):
-        self.signature, self.partial, self.indexed = signature, partial, indexed
+    def __init__(self, structure: tuple, versions: tuple, partial: list[torch.Tensor], indexed: tuple = ()):
+        self.structure, self.versions, self.partial, self.indexed = structure, versions, partial, indexed
+
+    @property
+    def signature(self) -> tuple:
+        """``(structure, versions)``: what a kept prefix's KV depends on, holding no module (what the store keeps)."""
+        return self.structure, self.versions
 
     def __eq__(self, other) -> bool:
         return isinstance(other, Dependencies) and self.signature == other.signature
@@ -158,9 +175,10 @@ def kv_dependencies(model: torch.nn.Module) -> Dependencies:
     config = getattr(model, "config", None)
     partial: dict[int, torch.Tensor] = {}
     indexed: list[tuple[int, dict]] = []
-    signature = (attn_implementation(config) if config is not None else None,
-                 _modules_signature(model, partial, indexed))
-    return Dependencies(signature, list(partial.values()), tuple(indexed))
+    versions: list[int] = []
+    structure = (attn_implementation(config) if config is not None else None,
+                 _modules_signature(model, partial, indexed, versions))
+    return Dependencies(structure, tuple(versions), list(partial.values()), tuple(indexed))
 
 
 def indexed_modules(model: torch.nn.Module) -> list[tuple[int, dict]]:

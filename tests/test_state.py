@@ -5,9 +5,13 @@ import copy
 import pickle
 import threading
 
+import pytest
+import torch
+
 import relay_hf
+from relay_hf.graphs import Captured
 from relay_hf.state import RelayState, StaticSlot, attach_state, detach_state, relay_state
-from tests.helpers import tiny_model
+from tests.helpers import shared_prefix_batch, tiny_model
 
 
 def test_the_idle_slot_goes_to_one_caller_at_a_time():
@@ -71,3 +75,62 @@ def test_attach_and_detach_put_the_state_on_the_instance_and_take_it_off():
     assert relay_state(model) is state and relay_hf.is_patched(model)
     assert relay_state(copy.deepcopy(model)).declined == "declined: why"  # copies carry it
     assert detach_state(model) is state and relay_state(model) is None
+
+
+# -- a slot's recorded step and prefills, and a model changed between calls ----------------------------------------
+def _fresh(t: torch.Tensor, mean: float = 0.0) -> torch.Tensor:
+    """Random values of ``t``'s shape, dtype and device, the same for every tensor of that shape."""
+    g = torch.Generator().manual_seed(t.numel())
+    return (mean + 0.2 * torch.randn(t.shape, generator=g)).to(t.device, t.dtype)
+
+
+def _replace_a_parameter(model):
+    proj = model.model.layers[0].mlp.down_proj
+    proj.weight = torch.nn.Parameter(_fresh(proj.weight))
+
+
+def _replace_a_module(model):  # the final norm: a module the compiled step's view of the model holds directly
+    norm = copy.deepcopy(model.model.norm)
+    with torch.no_grad():
+        norm.weight.copy_(_fresh(norm.weight, mean=1.0))
+    model.model.norm = norm
+
+
+def _add_a_hook(model):
+    model.model.layers[1].mlp.register_forward_hook(lambda module, args, out: 4 * out)
+
+
+def _write_in_place(model):
+    with torch.no_grad():
+        model.model.layers[1].self_attn.o_proj.weight.mul_(-2)
+
+
+CHANGES = {"a parameter replaced": (_replace_a_parameter, False), "a module replaced": (_replace_a_module, False),
+           "a hook added": (_add_a_hook, False), "an in-place write": (_write_in_place, True)}
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_a_model_changed_between_calls_gets_a_step_made_under_its_structure(device):
+    """A static slot's decode step and recorded prefills are replayed only under the structure they were made under
+    (``StaticSlot.made_under``): after a parameter or module replaced or a hook added, the next call on relay_hf's
+    loop makes its step again (a CUDA graph would read the old parameter, run no hook); an in-place write keeps it
+    (the graph reads the new values). Each time the tokens are stock's on the model as changed (fp32; on CUDA the
+    step was captured)."""
+    model = tiny_model("llama").to(device)
+    reference = copy.deepcopy(model)
+    relay_hf.patch(model, min_prefix_length=8, decode="graph")
+    ids, mask, _ = shared_prefix_batch(seed=43)
+    ids, call = ids.to(device), dict(attention_mask=mask.to(device), max_new_tokens=24, do_sample=False)
+    before = reference.generate(ids, **call)
+    assert torch.equal(model.generate(ids, **call), before)
+    for name, (change, kept) in CHANGES.items():
+        stepper = relay_state(model).idle_static().stepper
+        assert stepper is not None and (device == "cpu" or isinstance(stepper.state, Captured)), name
+        change(model)
+        change(reference)
+        want = reference.generate(ids, **call)
+        assert not torch.equal(want, before), name  # the change shows in the tokens
+        assert torch.equal(model.generate(ids, **call), want), name
+        assert model.relay_last_decision.fast_decode, model.relay_last_decision
+        assert (relay_state(model).idle_static().stepper is stepper) == kept, name
+        before = want

@@ -178,7 +178,7 @@ def test_a_child_registered_under_a_non_string_key_is_walked_and_its_change_seen
     model = torch.nn.Sequential()
     model._modules[0] = torch.nn.Linear(2, 2)
     before = kv_dependencies(model)
-    assert [entry[0] for entry in before.signature[1][0][:-1]] == ["", "0"]
+    assert [entry[0] for entry in before.structure[1][0][:-1]] == ["", "0"]
     model._modules[0].train(False)
     assert kv_dependencies(model) != before
 

@@ -227,6 +227,7 @@ def _run_relay_on(model, stock, call: dict, route: Route, layout, base: RelayCac
         cache.reserve(layout.columns - layout.prefix_columns + route.new_tokens)
     else:
         cache = slot.cache
+    recorded = slot.recordings() if slot is not None and route.fast_decode else None
     out = None
     try:
         if route.fast_decode:
@@ -251,6 +252,8 @@ def _run_relay_on(model, stock, call: dict, route: Route, layout, base: RelayCac
         # a slot whose cache the output hands the caller (return_dict_in_generate) is the caller's now: pooled, a
         # later call would refill the buffers under the caller's continuation
         if slot is not None and (out is None or output_cache(out) is not slot.cache):
+            if recorded is not None:
+                slot.confirm(recorded, model)
             relay_state(model).give_back_static(slot)
     if isinstance(out, torch.Tensor):
         return layout.to_stock(out), kept, None

@@ -13,7 +13,7 @@ from dataclasses import InitVar, dataclass, field
 
 from .counters import Counters
 from .prefill import segment_nbytes
-from .store import PrefixStore
+from .store import PrefixStore, kv_dependencies
 
 
 @dataclass(eq=False)
@@ -30,16 +30,28 @@ class StaticSlot:
 
     def made_under(self, structure: object) -> StaticSlot:
         """This slot for a call on the model as it is now (``structure``): a step and prefills made under another
-        structure are dropped (made again by the call), the buffers kept. A CUDA graph reads each parameter at the
-        address it was recorded with and runs no Python hook, and a compiled step's view holds the modules it was
-        made with, so a parameter or module replaced, a hook added or a dtype changed since would be replayed stale;
-        an in-place write keeps them (the graph reads the new values)."""
+        structure are dropped (made again by the call), the buffers kept. A CUDA graph reads each parameter and
+        buffer at the address it was recorded with and runs no Python hook, and a compiled step's view of the model
+        holds the modules on the path to its decoder layers, so a parameter or module replaced, a hook added or the
+        dtype changed since would be replayed stale; an in-place write keeps them (the graph reads the new values)."""
         if self.structure != structure:
             self.stepper = self.prefill = None
             self.structure = structure
         return self
 
+    def recordings(self) -> tuple:
+        """What the slot has recorded so far, as a comparable value: its step and how far it got (warming up,
+        captured), its prefills' lengths."""
+        step, prefill = self.stepper, self.prefill
+        return step, getattr(step, "state", None), prefill, tuple(getattr(prefill, "graphs", ()))
 
+    def confirm(self, before: tuple, model) -> None:
+        """After a call that took the slot with ``recordings()`` equal to ``before``: where the call recorded more, the
+        model is walked again, and if its structure is not the one the call was routed under (another thread changed
+        the model meanwhile), what was recorded is marked as made under an unknown structure, so the next call makes
+        it again. (A change made and undone while the call records is not seen: docs/api.md.)"""
+        if self.recordings() != before and kv_dependencies(model).structure != self.structure:
+            self.structure = None
 @dataclass(eq=False)
 class RelayState:
     """Per-model settings of ``patch`` and the idle static slots (at most ``MAX_IDLE``, most recent first: two, so a

@@ -4,7 +4,7 @@ A prefix's KV is a function of its token ids and of the model as it is at prefil
 kept prefix and a model that has changed since (docs/api.md, "Kept prefixes", states the guarantee):
 
 - ``kv_dependencies(model)``, read once per call (one walk, which also finds what the call reads per layer:
-  ``Dependencies.indexed``): the model's structure as one comparable value: each parameter's and
+  ``Dependencies.indexed``): the model's signature as one comparable value: each parameter's and
   buffer's identity, address, dtype, device and shape, each parameter's version counter (an in-place write through
   autograd, an optimizer step, ``load_state_dict``, ``model.to``), each module's type, training flag, adapter
   switches, hooks, forward replaced on the instance, plain values and dicts of plain values (a rotary
@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import functools
 import threading
+import weakref
 from collections import OrderedDict
 from collections.abc import Callable, Hashable, Iterable
 from contextlib import contextmanager
@@ -65,7 +66,17 @@ _SWITCH_NAMES = frozenset(_ADAPTER_SWITCHES)
 
 
 def _hooks(hooks: dict) -> tuple:
-    return tuple((key, id(hook)) for key, hook in hooks.items()) if hooks else ()
+    return tuple((key, _reference(hook)) for key, hook in hooks.items()) if hooks else ()
+
+
+def _reference(value) -> object:
+    """A weak reference to ``value`` (equal to another only while both are alive and their values equal: a
+    ``forward`` replaced by a new one that took the freed one's ``id`` is still a change), or its ``id`` where it
+    takes none."""
+    try:
+        return weakref.ref(value)
+    except TypeError:
+        return id(value)
 
 
 def _plain(value) -> bool:
@@ -100,9 +111,9 @@ def _modules_signature(model: torch.nn.Module, partial: dict, indexed: list, ver
     module has them), the forward hooks on it (activation steering changes the KV), a ``forward`` replaced on the
     instance, and the plain values its forward may read (``scaling``, a rotary ``attention_scaling``, a dict of
     adapter scales...); and torch's global forward hooks. The parameters of modules only some tokens reach
-    (``freshness.reached_partly``) go into ``partial``, their version counters into ``versions``; ``(layer_idx,
-    __dict__)`` of each module whose own ``layer_idx`` is an int into ``indexed`` (what ``prefill.layer_windows`` and
-    ``stats.layer_kv_bytes`` read)."""
+    (``freshness.reached_partly``) go into ``partial``, every parameter's version counter into ``versions``;
+    ``(layer_idx, __dict__)`` of each module whose own ``layer_idx`` is an int into ``indexed`` (what
+    ``prefill.layer_windows`` and ``stats.layer_kv_bytes`` read)."""
     out, tensors, seen, walked = [], [], set(), set()
     inputs = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
     stack = [("", model)]
@@ -129,7 +140,7 @@ def _modules_signature(model: torch.nn.Module, partial: dict, indexed: list, ver
                        and not k.startswith("relay_")])  # relay_hf's own: not read
         forward = own.get("forward")
         out.append((path, type(m), m.training, _adapters(m, own), _hooks(own["_forward_hooks"]),
-                    _hooks(own["_forward_pre_hooks"]), plain, None if forward is None else id(forward)))
+                    _hooks(own["_forward_pre_hooks"]), plain, None if forward is None else _reference(forward)))
     from torch.nn.modules import module as torch_module
 
     out.append((_hooks(torch_module._global_forward_hooks), _hooks(torch_module._global_forward_pre_hooks)))
@@ -141,10 +152,10 @@ class Dependencies:
     parameters' version counters as one value.
 
     Attributes:
-        structure: the model's structure without the version counters (every module's type, flags, hooks and plain
-            values, every parameter's and buffer's identity, address, dtype, device and shape): what a recorded
-            forward depends on (a CUDA graph reads by address and runs no Python hook, a compiled view holds the
-            modules it was made with), which an in-place write leaves as it was (``state.StaticSlot.made_under``).
+        structure: the signature without the version counters (every module's type, flags, hooks and plain
+            values, every parameter's and buffer's identity, address, dtype, device and shape): what a static slot's
+            recorded step and prefills are checked against (``state.StaticSlot.made_under``: a CUDA graph reads by
+            address and runs no Python hook), which an in-place write leaves as it was.
         versions: the parameters' version counters, in the walk's order.
         partial: the parameters only some tokens reach (a hit's check reads them), found in the same walk.
         indexed: ``(layer_idx, __dict__)`` of the modules naming their layer (so the call reads per-layer windows and

@@ -134,3 +134,38 @@ def test_a_model_changed_between_calls_gets_a_step_made_under_its_structure(devi
         assert model.relay_last_decision.fast_decode, model.relay_last_decision
         assert (relay_state(model).idle_static().stepper is stepper) == kept, name
         before = want
+
+
+def test_a_step_recorded_while_the_model_changed_is_made_again_by_the_next_call(monkeypatch):
+    """A call walks the model once (``policy.decide``); where it records a step or prefill on its slot, it walks
+    again before giving the slot back (``StaticSlot.confirm``), and a model changed in between (here by a hook, in
+    place of another thread) leaves the slot marked as made under no known structure: the next call makes its step
+    again. A call that records nothing walks once."""
+    import relay_hf.state
+
+    model = tiny_model("llama")
+    relay_hf.patch(model, min_prefix_length=8, decode="graph")
+    ids, mask, _ = shared_prefix_batch(seed=44)
+    call = dict(attention_mask=mask, max_new_tokens=4, do_sample=False)
+    swapped = []
+
+    def swap_the_norm(module, args):  # once, while the call runs
+        if not swapped:
+            swapped.append(model.model.norm)
+            model.model.norm = copy.deepcopy(model.model.norm)
+
+    handle = model.lm_head.register_forward_pre_hook(swap_the_norm)
+    model.generate(ids, **call)
+    slot = relay_state(model).idle_static()
+    assert swapped and slot.structure is None
+    stepper = slot.stepper
+    handle.remove()
+    walks = []
+    real = relay_hf.state.kv_dependencies
+    monkeypatch.setattr(relay_hf.state, "kv_dependencies", lambda m: walks.append(1) or real(m))
+    model.generate(ids, **call)
+    slot = relay_state(model).idle_static()
+    assert slot.stepper is not stepper and slot.structure is not None
+    assert walks == [1]  # its step made again: walked again after the call
+    model.generate(ids, **call)
+    assert relay_state(model).idle_static().stepper is slot.stepper and walks == [1]  # nothing recorded: no walk

@@ -1,5 +1,6 @@
 """relay_hf.store: the prefix store on its own (no model), and what a kept prefix's KV depends on (tiny models)."""
 
+import functools
 import threading
 import time
 
@@ -284,3 +285,23 @@ def test_a_key_extends_only_the_keys_its_full_prefix_continues():
     assert PrefixKey.of(0, ids).extends(prompt)  # one root segment holding both: its KV follows the prompt's too
     assert not PrefixKey.of(12, torch.cat([ids[:11], ids[12:]])).extends(prompt)
     assert not document.extends((0, ids[:12].numpy().tobytes()))  # a plain tuple is no kept segment's key
+
+
+def test_a_forward_replaced_by_one_that_took_the_freed_ones_id_is_a_change():
+    """``id`` outlives its object: a ``forward`` set on the instance, removed, and replaced by a new one allocated
+    where it was (as accelerate's hooks are removed and added again) has the old one's ``id``; the signature still
+    differs (a weak reference, equal only while its referent lives)."""
+    model = torch.nn.Sequential(torch.nn.Linear(2, 2))
+    layer = model[0]
+    layer.forward = functools.partial(torch.nn.Linear.forward, layer)
+    first = id(layer.forward)
+    before = kv_dependencies(model)
+    del layer.forward
+    new = functools.partial(torch.nn.Linear.forward, layer)
+    for _ in range(100):  # (CPython reuses the freed block for the next object of its size)
+        if id(new) == first:
+            break
+        new = functools.partial(torch.nn.Linear.forward, layer)
+    assert id(new) == first  # the case this test is about
+    layer.forward = new
+    assert kv_dependencies(model) != before

@@ -136,6 +136,29 @@ def test_a_model_changed_between_calls_gets_a_step_made_under_its_structure(devi
         before = want
 
 
+@pytest.mark.gpu
+def test_a_compiled_step_is_made_again_after_a_change_and_gives_what_a_fresh_patch_gives_on_gpu():
+    """``decode="compile"`` on CUDA: the compiled step's view of the model holds the modules on the path to its
+    decoder layers, and its graph reads by address; after each change the call gives what the same model patched
+    afresh gives (its own compile, the same kernels), and its step was made again (kept after an in-place write)."""
+    model = tiny_model("llama").cuda()
+    reference = copy.deepcopy(model)  # unpatched: changed alongside, patched afresh per change
+    relay_hf.patch(model, min_prefix_length=8, decode="compile")
+    ids, mask, _ = shared_prefix_batch(seed=45)
+    ids, call = ids.cuda(), dict(attention_mask=mask.cuda(), max_new_tokens=24, do_sample=False)
+    model.generate(ids, **call)
+    for name, (change, kept) in CHANGES.items():
+        stepper = relay_state(model).idle_static().stepper
+        assert isinstance(stepper.state, Captured) and stepper.compiled, name
+        change(model)
+        change(reference)
+        fresh = relay_hf.patch(copy.deepcopy(reference), min_prefix_length=8, decode="compile")
+        want = fresh.generate(ids, **call)
+        assert torch.equal(model.generate(ids, **call), want), name
+        assert model.relay_last_decision.decode_step == "compiled", model.relay_last_decision
+        assert (relay_state(model).idle_static().stepper is stepper) == kept, name
+
+
 def test_a_step_recorded_while_the_model_changed_is_made_again_by_the_next_call(monkeypatch):
     """A call walks the model once (``policy.decide``); where it records a step or prefill on its slot, it walks
     again before giving the slot back (``StaticSlot.confirm``), and a model changed in between (here by a hook, in

@@ -6,7 +6,7 @@
 Prints the wall time of a warm ``generate`` call under a kept system prompt (``prefix_kept`` = S), the median time of
 the hit's check alone (``SegmentCheck.holds``: a CUDA-graph replay of two tokens through the decoder on CUDA, an eager
 forward elsewhere; the embedding fingerprint; the partial-reach sums), of the structure read every call
-(``store.kv_dependencies``, host only), and their shares of the call.
+(``dependencies.kv_dependencies``, host only), and their shares of the call.
 """
 
 from __future__ import annotations
@@ -19,8 +19,8 @@ import torch
 import relay_hf
 from benchmarks.common import sync
 from benchmarks.generate import SHAPES, build_model
+from relay_hf.dependencies import kv_dependencies
 from relay_hf.freshness import SegmentCheck
-from relay_hf.store import kv_dependencies
 
 
 def _wall(fn, device, reps: int) -> float:

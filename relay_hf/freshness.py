@@ -121,7 +121,8 @@ class _Replay:
     """``_head_kv`` captured as a CUDA graph on its first replay (an eager forward of a few tokens through every layer
     is host-bound: ~25 ms on a 32-layer model on an H200, the replay reads the weights at memory speed). It reads the
     parameters' storage as it is at each replay (a write in place is seen); parameters, modules, hooks or plain values
-    replaced change ``store.kv_dependencies``, which drops the entry, and its graph with it. Capture fails: eager.
+    replaced change ``dependencies.kv_dependencies``, which drops the entry, and its graph with it. Capture fails:
+    eager.
 
     Captured, it runs on the device's ``check_stream``, after what the caller queued before it (a write to a
     parameter included), beside what the caller queues after it: a chat turn's own prefill runs while the check does
@@ -224,7 +225,7 @@ def allocated(reads: tuple) -> bool:
     """Whether every tensor of ``_reads`` is alive with as many bytes at the same address: what a graph read there
     is still allocated (a dropped parameter, a ``.data`` swapped by ``model.to`` or for a smaller tensor, a storage
     resized to nothing all fail this). Tensors a forward reads that are neither parameters nor buffers (a plain
-    tensor attribute) are not seen here, nor by ``store.kv_dependencies``."""
+    tensor attribute) are not seen here, nor by ``dependencies.kv_dependencies``."""
     for ref, where in reads:
         t = ref()
         if t is None or _where(t) != where:
@@ -234,7 +235,7 @@ def allocated(reads: tuple) -> bool:
 
 def _partial(model, memo: dict) -> torch.Tensor:
     """``bit_sums`` of the parameters only some tokens reach, once per call: of ``memo["partial_params"]`` where the
-    caller found them already (``store.kv_dependencies`` does, in its walk of the modules), else found here."""
+    caller found them already (``dependencies.kv_dependencies`` does, in its walk of the modules), else found here."""
     if "partial" not in memo:
         params = memo.get("partial_params")
         memo["partial"] = bit_sums(partial_reach(model) if params is None else params)
@@ -308,7 +309,7 @@ class SegmentCheck(NamedTuple):
         """This check's forward launched now, before the call walks the model, where it can be (``_Replay.launch``):
         ``{id(replay): (replay, head)}`` for ``verdict``'s memo (``"launched"``), else ``{}``. It reads only
         parameters and buffers still allocated where it read them (``allocated``), and a model changed in a way the
-        walk sees drops the entry before its verdict is asked for (``store.kv_dependencies``). The replay is held
+        walk sees drops the entry before its verdict is asked for (``dependencies.kv_dependencies``). The replay is held
         with its output, so its graph outlives the launch."""
         head = self.replay.launch(model)
         return {} if head is None else {id(self.replay): (self.replay, head)}

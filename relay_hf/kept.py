@@ -23,7 +23,7 @@ from .store import PrefixKey, PrefixStore
 
 def prefix_store(model) -> tuple[PrefixStore | None, object]:
     """``(store, depends)``: the model's prefix store and what its entries must have been built under
-    (``store.kv_dependencies``, one walk of the model), when this call may read and keep prefixes there; ``(None,
+    (``dependencies.kv_dependencies``, one walk of the model), when this call may read and keep prefixes there; ``(None,
     None)`` when it may not (``policy.keep_reason``) or keeps nothing (budget 0): ``policy.kept_dependencies``."""
     depends = kept_dependencies(model)
     return (None, None) if depends is None else (relay_state(model).store, depends)

@@ -89,7 +89,7 @@ def static_shape(model, gen: GenerationConfig, cache: RelayCache | None, groupin
                  fast: bool, depends=None) -> tuple[bool, CompileConfig | None]:
     """``(static, compile_config)``: whether the call runs on a static ``RelayCache``, and the inductor config its
     decode step compiles with (``None``: eager, captured as CUDA graphs on CUDA). ``depends``: the call's
-    ``store.kv_dependencies``, if it took them (``prefill.layer_windows`` reads its walk)."""
+    ``dependencies.kv_dependencies``, if it took them (``prefill.layer_windows`` reads its walk)."""
     asked_static = gen.cache_implementation == "static" or gen.compile_config is not None
     # attention reads through PrefixGroups tables: several prefixes, or sliding-window layers that store only what
     # their window sees (each row's positions then come from the tables)

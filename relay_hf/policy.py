@@ -40,6 +40,7 @@ from ._compat import (
 )
 from .cache import RelayCache
 from .cache_check import check_cache
+from .dependencies import Dependencies, kv_dependencies
 from .flash import KERNEL_ID, check_reason
 from .kernels.check import kernel_reason
 from .loop_rules import decode_step, loop_choice_reason, loop_reason, static_shape
@@ -50,7 +51,6 @@ from .sampling import LoopProcessors, loop_processors
 from .state import relay_state
 from .stats import head_shape, head_shapes
 from .step import DEFAULT_DECODE
-from .store import Dependencies, kv_dependencies
 from .suffix_prefill import recorded_length
 
 # rows * prefix tokens below which the CUDA relay kernel is not measured to beat SDPA over the expanded prefix
@@ -122,8 +122,8 @@ class Route:
             resolved config; ``processors``: stock's processors relay_hf's loop reproduces
             (``sampling.loop_processors``), from which the loop builds its sampler; ``depends``: what the prefixes
             it keeps depend on (``kept_dependencies``, ``None`` where the call keeps none); ``structure``: on
-            relay_hf's loop, the model's structure as it is now (``store.Dependencies.structure``), under which alone
-            a static slot's recorded step and prefills are replayed (``state.StaticSlot.made_under``).
+            relay_hf's loop, the model's structure as it is now (``dependencies.Dependencies.structure``), under
+            which alone a static slot's recorded step and prefills are replayed (``state.StaticSlot.made_under``).
     """
 
     relay: bool
@@ -276,8 +276,8 @@ def flash_fit_reason(model, cb_config) -> str | None:
 
 
 def kept_dependencies(model) -> Dependencies | None:
-    """``store.kv_dependencies(model)`` (one walk of the model) when a call may read and keep prefixes in the model's
-    prefix store now (``keeps_prefixes``), else ``None``."""
+    """``dependencies.kv_dependencies(model)`` (one walk of the model) when a call may read and keep prefixes in the
+    model's prefix store now (``keeps_prefixes``), else ``None``."""
     return kv_dependencies(model) if keeps_prefixes(model) else None
 
 

@@ -15,10 +15,11 @@ import torch
 from transformers.cache_utils import DynamicCache
 
 from ._compat import cache_kwarg_name
+from .dependencies import indexed_modules
 from .freshness import SegmentCheck
 from .kernels.groups import window_kept
 from .prefix import PrefixTree
-from .store import PrefixKey, indexed_modules
+from .store import PrefixKey
 
 # a sliding-window layer stores only what its window sees where that keeps at most this share of the prefix tokens
 # (below, its memory saving does not pay for reading the prefix through work tables)
@@ -178,8 +179,8 @@ def layer_windows(model, depends=None) -> list[int | None]:
     """Per layer, the sliding window its attention module states as its own (``module.sliding_window``, set per
     layer by Gemma 2/3, gpt-oss, Qwen2/3, ...), or ``None``: a model that passes its window from the config at call
     time keeps every layer whole (exact either way: the kernels apply the window; trimming only saves memory).
-    ``depends``: the call's ``store.kv_dependencies``, whose walk found the modules naming their layer (else they are
-    found here)."""
+    ``depends``: the call's ``dependencies.kv_dependencies``, whose walk found the modules naming their layer (else
+    they are found here)."""
     n_layers = model.config.get_text_config(decoder=True).num_hidden_layers
     found: dict[int, set] = {}
     for index, own in indexed_modules(model) if depends is None else depends.indexed:

@@ -12,16 +12,17 @@ import threading
 from dataclasses import InitVar, dataclass, field
 
 from .counters import Counters
+from .dependencies import kv_dependencies
 from .prefill import segment_nbytes
-from .store import PrefixStore, kv_dependencies
+from .store import PrefixStore
 
 
 @dataclass(eq=False)
 class StaticSlot:
     """A static ``RelayCache``, the decode step relay_hf's loop compiled / captured on its buffers and its recorded
     suffix prefills (``suffix_prefill.SuffixPrefill``; each ``None`` until made), and the model's ``structure`` they
-    were made under (``store.Dependencies.structure``). Kept together: a CUDA graph replays on the exact buffers it
-    was recorded with."""
+    were made under (``dependencies.Dependencies.structure``). Kept together: a CUDA graph replays on the exact
+    buffers it was recorded with."""
 
     cache: object
     stepper: object = None

@@ -12,8 +12,8 @@ import dataclasses
 import torch
 
 from .counters import RelayStats
+from .dependencies import indexed_modules
 from .state import relay_state
-from .store import indexed_modules
 
 
 def head_shape(text) -> tuple[int, int, int, int]:
@@ -36,7 +36,7 @@ def layer_kv_bytes(model, depends=None) -> list[int]:
     the model's dtype: from the layer's attention module (the one whose ``layer_idx`` names the layer) and its key
     and value projections, so per-layer head counts and dims (Gemma 4's) count as they are; from the text config
     (the same for every layer) when not every layer has exactly one such module. ``depends``: the call's
-    ``store.kv_dependencies``, whose walk found the modules naming their layer (else they are found here)."""
+    ``dependencies.kv_dependencies``, whose walk found the modules naming their layer (else they are found here)."""
     text = model.config.get_text_config(decoder=True)
     layers = getattr(text, "num_hidden_layers", 1)
     itemsize = model.dtype.itemsize

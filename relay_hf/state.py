@@ -53,6 +53,8 @@ class StaticSlot:
         it again. (A change made and undone while the call records is not seen: docs/api.md.)"""
         if self.recordings() != before and kv_dependencies(model).structure != self.structure:
             self.structure = None
+
+
 @dataclass(eq=False)
 class RelayState:
     """Per-model settings of ``patch`` and the idle static slots (at most ``MAX_IDLE``, most recent first: two, so a

@@ -37,12 +37,18 @@ CHANGES = {
 
 @pytest.mark.parametrize("change", CHANGES)
 def test_every_change_through_the_models_structure_changes_the_dependencies(change):
-    """(A write that bypasses version counters is each entry's check's to catch: tests/test_freshness.py.)"""
+    """Writes in place change the version counters alone, the other changes the structure (what a static slot's
+    recorded step is checked against: an in-place write keeps it). (A write that bypasses version counters is each
+    kept entry's check's to catch: tests/test_freshness.py.)"""
     model = tiny_model("llama")
     before = kv_dependencies(model)
     assert kv_dependencies(model) == before  # nothing changed: equal (a kept prefix is served)
     CHANGES[change](model)
-    assert kv_dependencies(model) != before
+    after = kv_dependencies(model)
+    assert after != before
+    in_place = change in ("in-place edit", "load_state_dict", "optimizer step")
+    assert (after.structure == before.structure) == in_place
+    assert after.versions != before.versions or not in_place
 
 
 def test_reading_the_model_changes_nothing():

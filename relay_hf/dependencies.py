@@ -170,9 +170,10 @@ class Dependencies:
 
 
 def kv_dependencies(model: torch.nn.Module) -> Dependencies:
-    """Everything about ``model``'s structure a prefix's KV computed by it now depends on besides its tokens, as one
-    comparable value (one pass over the parameters and modules, no device read). What it cannot see (a write that
-    bypasses version counters) each kept entry's check catches on a hit (module docstring)."""
+    """Everything a prefix's KV computed by ``model`` now depends on besides its tokens, as one comparable value: its
+    ``structure`` and its parameters' ``versions`` (one pass over the parameters and modules, no device read). What
+    it cannot see (a write that bypasses version counters) each kept entry's check catches on a hit (module
+    docstring)."""
     from ._compat import attn_implementation
 
     config = getattr(model, "config", None)

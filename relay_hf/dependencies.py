@@ -104,7 +104,7 @@ def _modules_signature(model: torch.nn.Module, partial: dict, indexed: list, ver
     instance, and the plain values its forward may read (``scaling``, a rotary ``attention_scaling``, a dict of
     adapter scales...); and torch's global forward hooks. The parameters of modules only some tokens reach
     (``freshness.reached_partly``) go into ``partial``, every parameter's version counter into ``versions``;
-    ``(layer_idx, __dict__)`` of each module whose own ``layer_idx`` is an int into ``indexed`` (what
+    ``(layer_idx, module)`` of each module whose own ``layer_idx`` is an int into ``indexed`` (what
     ``prefill.layer_windows`` and ``stats.layer_kv_bytes`` read)."""
     out, tensors, seen, walked = [], [], set(), set()
     inputs = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
@@ -125,7 +125,7 @@ def _modules_signature(model: torch.nn.Module, partial: dict, indexed: list, ver
             partial.update((id(p), p) for p in m.parameters())
         index = own.get("layer_idx")
         if isinstance(index, int):
-            indexed.append((index, own))
+            indexed.append((index, m))
         plain = tuple([(k, tuple(sorted(v.items(), key=repr)) if type(v) is dict else v)
                        for k, v in own.items()
                        if k[0] != "_" and (type(v) in _SCALARS or _plain(v))
@@ -150,7 +150,7 @@ class Dependencies:
             address and runs no Python hook), which an in-place write leaves as it was.
         versions: the parameters' version counters, in the walk's order.
         partial: the parameters only some tokens reach (a hit's check reads them), found in the same walk.
-        indexed: ``(layer_idx, __dict__)`` of the modules naming their layer (so the call reads per-layer windows and
+        indexed: ``(layer_idx, module)`` of the modules naming their layer (so the call reads per-layer windows and
             KV sizes without walking the model again).
     """
 
@@ -169,6 +169,28 @@ class Dependencies:
         return isinstance(other, Dependencies) and self.signature == other.signature
 
 
+class LatestWalk:
+    """A walk kept between calls (``state.RelayState.last_walk``) without holding the model: its structure and
+    versions, and weak references to the parameters and modules it found (``Dependencies.partial``, ``indexed``), so
+    a module or parameter the user drops is freed as it would be unpatched."""
+
+    __slots__ = ("structure", "versions", "partial", "indexed")
+
+    def __init__(self, depends: Dependencies):
+        self.structure, self.versions = depends.structure, depends.versions
+        self.partial = tuple(weakref.ref(p) for p in depends.partial)
+        self.indexed = tuple((index, weakref.ref(module)) for index, module in depends.indexed)
+
+    def depends(self) -> Dependencies | None:
+        """The walk as ``Dependencies`` again, or ``None`` where a parameter or module it found is gone (the model has
+        changed since)."""
+        partial = [ref() for ref in self.partial]
+        indexed = tuple((index, ref()) for index, ref in self.indexed)
+        if any(p is None for p in partial) or any(module is None for _, module in indexed):
+            return None
+        return Dependencies(self.structure, self.versions, partial, indexed)
+
+
 def kv_dependencies(model: torch.nn.Module) -> Dependencies:
     """Everything a prefix's KV computed by ``model`` now depends on besides its tokens, as one comparable value: its
     ``structure`` and its parameters' ``versions`` (one pass over the parameters and modules, no device read). What
@@ -178,17 +200,17 @@ def kv_dependencies(model: torch.nn.Module) -> Dependencies:
 
     config = getattr(model, "config", None)
     partial: dict[int, torch.Tensor] = {}
-    indexed: list[tuple[int, dict]] = []
+    indexed: list[tuple[int, torch.nn.Module]] = []
     versions: list[int] = []
     structure = (attn_implementation(config) if config is not None else None,
                  _modules_signature(model, partial, indexed, versions))
     return Dependencies(structure, tuple(versions), list(partial.values()), tuple(indexed))
 
 
-def indexed_modules(model: torch.nn.Module) -> list[tuple[int, dict]]:
-    """``(layer_idx, __dict__)`` of every module of ``model`` (once each) whose own ``layer_idx`` is an int: what
-    ``Dependencies.indexed`` holds, for a caller without one. The instance's own attributes: a miss through
-    ``nn.Module``'s ``__getattr__`` raises inside."""
+def indexed_modules(model: torch.nn.Module) -> list[tuple[int, torch.nn.Module]]:
+    """``(layer_idx, module)`` of every module of ``model`` (once each) whose own ``layer_idx`` is an int: what
+    ``Dependencies.indexed`` holds, for a caller without one. Read from the instance's own attributes: a miss
+    through ``nn.Module``'s ``__getattr__`` raises inside."""
     found, walked, stack = [], set(), [model]
     while stack:
         m = stack.pop()
@@ -198,6 +220,6 @@ def indexed_modules(model: torch.nn.Module) -> list[tuple[int, dict]]:
         own = m.__dict__
         index = own.get("layer_idx")
         if isinstance(index, int):
-            found.append((index, own))
+            found.append((index, m))
         stack.extend([c for c in own["_modules"].values() if c is not None])
     return found

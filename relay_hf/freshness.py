@@ -130,12 +130,12 @@ class _Replay:
 
     ``launch`` replays it before the call has walked the model (``kept.launch_checks``: the device runs the check
     while the host decides), only where every parameter and buffer it read is still allocated where it was
-    (``_reads``): a graph reads by address, so a freed one could fault the device."""
+    (``addresses``): a graph reads by address, so a freed one could fault the device."""
 
     def __init__(self):
         self.graph = self.kv = self.ids = self.stream = None
         self.eager = False
-        self.reads: tuple | None = ()  # (weakref, where) of each parameter and buffer the graph reads (``_reads``)
+        self.reads: tuple | None = ()  # (weakref, where) of each parameter and buffer the graph reads (``addresses``)
 
     def __call__(self, model, head: torch.Tensor) -> torch.Tensor:
         kv = self.run(model, head)
@@ -159,7 +159,7 @@ class _Replay:
                 self.eager = True
                 return _head_kv(model, head)
             self.ids.record_stream(stream)  # (freed with the entry, while a replay may still read it)
-            self.graph, self.kv, self.reads, self.stream = graph, kv, _reads(model), stream
+            self.graph, self.kv, self.reads, self.stream = graph, kv, addresses(model), stream
         with self.on_stream(model):
             self.graph.replay()
         return self.kv
@@ -203,10 +203,10 @@ class _Answer:
         return bool(self.host)
 
 
-def _reads(model) -> tuple | None:
+def addresses(model) -> tuple | None:
     """``(weakref, where)`` of every parameter and buffer of ``model`` (``_where``): what a captured forward reads by
-    address; ``None`` where one has no storage of its own to locate (a wrapper tensor subclass): its check is then
-    never launched before the walk."""
+    address; ``None`` where one has no storage of its own to locate (a wrapper tensor subclass): a graph recorded on
+    it is then never replayed before the call's walk (a check's launch, a slot's prefill: ``StaticSlot.replayable``)."""
     tensors = {id(t): t for t in (*model.parameters(), *model.buffers())}
     try:
         return tuple((weakref.ref(t), _where(t)) for t in tensors.values())
@@ -222,7 +222,7 @@ def _where(t: torch.Tensor) -> tuple[int, int]:
 
 
 def allocated(reads: tuple) -> bool:
-    """Whether every tensor of ``_reads`` is alive with as many bytes at the same address: what a graph read there
+    """Whether every tensor of ``addresses`` is alive with as many bytes at the same address: what a graph read there
     is still allocated (a dropped parameter, a ``.data`` swapped by ``model.to`` or for a smaller tensor, a storage
     resized to nothing all fail this). Tensors a forward reads that are neither parameters nor buffers (a plain
     tensor attribute) are not seen here, nor by ``dependencies.kv_dependencies``."""

@@ -4,9 +4,9 @@ Per call: ``policy.decide`` routes it to relay or stock. Stock runs the class's 
 arguments (a ``RelayCache`` argument removed, so stock never sees a cache in a layout it cannot use). Relay:
 
 1. prefills each shared prefix once at batch 1 into a ``RelayCache``, or takes it from the model's prefix store
-   (``kept.py``; on relay_hf's loop a kept segment's check is read only once the call's own prefill is launched, and
-   a call whose check failed runs again as one read at once would: ``_run_kept``), or forks the caller's cache (never
-   mutated),
+   (``kept.py``; on relay_hf's loop a kept segment's check is read, and the model walked, only once the call's own
+   prefill is launched: a call whose check failed runs again as one read at once would, and one whose model changed
+   since its latest walk is decided again: ``_run_kept``), or forks the caller's cache (never mutated),
 2. lays each row out as ``[its prefix | masked | its suffix]`` (``prefix.RowLayout``) and runs stock ``generate`` on
    that, so only the suffixes are prefilled and every decode step reads each prefix once per batch; user processors,
    criteria and streamers see the stock layout,
@@ -33,7 +33,7 @@ from ._compat import cache_kwarg_name, output_cache
 from .cache import RelayCache
 from .decode import fast_generate
 from .kept import count_kept, join_checks, kept_caches, launch_checks, tree_keys
-from .policy import CACHE_NAMES, NOT_PATCHED, RelayDecision, Route, decide
+from .policy import CACHE_NAMES, NOT_PATCHED, RelayDecision, Route, RouteChanged, confirm_walk, decide
 from .prefix import RowLayout, relay_layout
 from .sampling import loop_sampler
 from .state import StaticSlot, relay_state
@@ -148,11 +148,15 @@ def _static_slot(model, base: RelayCache, route: Route, pads: torch.Tensor, path
     cap, rows = route.static_capacity, route.static_rows
     fits = ((lambda c: c.can_refill(base, rows, cap, max_rows=2 * rows, paths=paths)) if route.fast_decode else
             (lambda c: c.can_refill(base, rows, cap, paths=paths) and c.layers[0].max_suffix_length == cap))
-    slot = relay_state(model).take_static(fits)
+    state = relay_state(model)
+    slot = state.take_static(fits)
     if slot is None:
         slot = StaticSlot(base.fork(max_suffix_length=cap, suffix_padding=_extend(pads, rows),
                                     paths=_extend(paths, rows)), structure=route.structure)
     else:
+        if route.deferred_walk and not slot.replayable(route.structure):  # (nothing of the call launched yet)
+            state.give_back_static(slot)
+            raise RouteChanged("a recorded prefill reads a tensor no longer where it was")
         if route.fast_decode:  # its step and prefills replayed only under the structure they were made under
             slot.made_under(route.structure)
         held = slot.cache.layers[0].keys.shape[0]
@@ -193,19 +197,38 @@ def _run_relay(model, stock, call: dict, route: Route, launched: dict):
 
 def _run_kept(model, stock, call: dict, route: Route, layout, store, sampler, launched: dict):
     """The call on relay_hf's loop, its kept segments' checks read only once its own prefill is launched (the
-    device runs the check, then the prefill; the host waits once, before the first token is chosen or shown).
-    ``StaleKept`` when one failed: its entry is dropped, the call's work (the pooled static cache's buffers) is
-    left to be overwritten, and nothing reached the caller, its counters or its streamer."""
-    pending = []
+    device runs the check, then the prefill; the host waits once, before the first token is chosen or shown), and
+    the model walked then where the route was decided under its latest walk (``policy.confirm_walk``).
+    ``StaleKept`` when a check failed: its entry is dropped, the call's work (the pooled static cache's buffers) is
+    left to be overwritten, and nothing reached the caller, its counters or its streamer; ``RouteChanged`` the same
+    way when the walk found the model changed (the checks' verdicts are then not read: ``PrefixStore.abandon``)."""
+    pending, walked = [], []
+
+    def confirm():
+        if not walked:
+            try:
+                confirm_walk(model, route)
+            except RouteChanged:
+                store.abandon(pending)
+                raise
+            walked.append(True)
+
+    def settle():
+        confirm()  # the walk first: host work while the device runs the check and the prefill
+        store.settle(pending)
+
     try:
         (base,), _ = kept_caches(model, [route.grouping.tree], store, route.depends, pending, launched)
-        out = _run_relay_on(model, stock, call, route, layout, base, base.kept_tokens, sampler,
-                            lambda: store.settle(pending))
-        store.settle(pending)  # (read by the loop already)
+        out = _run_relay_on(model, stock, call, route, layout, base, base.kept_tokens, sampler, settle)
+        settle()  # (read by the loop already)
+    except RouteChanged:  # (found by the walk, or by the slot before anything was launched)
+        store.abandon(pending)
+        raise
     except StaleKept:
+        confirm()  # a route decided under a stale walk is decided again, not only prefilled again
         raise
     except Exception:
-        store.settle(pending)  # a failure on a stale segment's KV is the stale segment's: StaleKept, run again
+        settle()  # the failure may be the change's (RouteChanged) or a stale segment's (StaleKept): run again
         raise
     count_kept(model, [base])
     return out
@@ -285,7 +308,16 @@ def _generate(model, args: tuple, kwargs: dict, launched: dict, started: list):
         launched.update(launch_checks(model, grouping.tree))
 
     try:
-        route = decide(model, call, before_walk)
+        return _run(model, stock, call, args, kwargs, before_walk, launched, defer_walk=True)
+    except RouteChanged as err:  # decided under the model's latest walk, which the call's own walk contradicted
+        logger.debug("relay_hf: the model changed since its latest walk (%s); deciding the call again", err)
+    return _run(model, stock, call, args, kwargs, None, {}, defer_walk=False)
+
+
+def _run(model, stock, call: dict, args: tuple, kwargs: dict, before_walk, launched: dict, defer_walk: bool):
+    """The call decided (``policy.decide``) and run on its route."""
+    try:
+        route = decide(model, call, before_walk, defer_walk)
     except ValueError as err:
         model.relay_last_decision = RelayDecision(False, f"invalid input: {err}")
         raise
@@ -303,6 +335,8 @@ def _generate(model, args: tuple, kwargs: dict, launched: dict, started: list):
                  decision.groups)
     try:
         out, kept, step = _run_relay(model, stock, call, route, launched)
+    except RouteChanged:
+        raise
     except BaseException as err:
         model.relay_last_decision = RelayDecision(False, f"relay run failed: {type(err).__name__}: {err}",
                                                   route.prefix_length, route.rows, route.static,

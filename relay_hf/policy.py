@@ -16,8 +16,10 @@ The rules, in the order they are checked:
    call asks for one (``cache_implementation="static"``), else on a dynamic one (``loop_rules.py``).
 
 The route only says what runs: what a call reads from the prefix store is taken when it runs (``kept.py``), under
-the model's structure as read here once (``Route.depends``, ``kept_dependencies``: the one walk of the model a call
-makes), and relay_hf's loop builds its ``sampling.Sampler`` from the processors judged here. Stock routes carry
+the model's structure as read here once (``Route.depends``, ``state.walk``: the one walk of the model a call makes;
+a call on relay_hf's loop that reads the store is routed under the model's latest walk and makes its own once its
+prefill is launched: ``Route.deferred_walk``, ``confirm_walk``), and relay_hf's loop builds its ``sampling.Sampler``
+from the processors judged here. Stock routes carry
 ``expected``: ``False`` where the user would have gained from relay (``generate`` then warns once per reason through
 the ``relay_hf`` logger); ``True`` for the ordinary cases (one row, a short prefix, not patched).
 """
@@ -40,7 +42,7 @@ from ._compat import (
 )
 from .cache import RelayCache
 from .cache_check import check_cache
-from .dependencies import Dependencies, kv_dependencies
+from .dependencies import Dependencies
 from .flash import KERNEL_ID, check_reason
 from .kernels.check import kernel_reason
 from .loop_rules import decode_step, loop_choice_reason, loop_reason, static_shape
@@ -48,7 +50,7 @@ from .names import is_flash_name, is_paged_name, is_relay_name
 from .prefix import Grouping, PrefixTree, common_prefix_length, find_groups, left_padding, split_at_pinned
 from .rope import rope_reason
 from .sampling import LoopProcessors, loop_processors
-from .state import relay_state
+from .state import relay_state, walk
 from .stats import head_shape, head_shapes
 from .step import DEFAULT_DECODE
 from .suffix_prefill import recorded_length
@@ -124,6 +126,10 @@ class Route:
             it keeps depend on (``kept_dependencies``, ``None`` where the call keeps none); ``structure``: on
             relay_hf's loop, the model's structure as it is now (``dependencies.Dependencies.structure``), under
             which alone a static slot's recorded step and prefills are replayed (``state.StaticSlot.made_under``).
+        deferred_walk: ``depends`` and ``structure`` are the model's latest walk (``RelayState.last_walk``), not one
+            of the call's own: the call walks the model once its prefill is launched (``confirm_walk``) and is
+            decided again where the model changed (``RouteChanged``). A chat turn under a kept prompt on relay_hf's
+            loop: its first token does not wait for the walk (docs/performance.md, the chat turn).
     """
 
     relay: bool
@@ -149,6 +155,7 @@ class Route:
     processors: LoopProcessors | None = field(default=None, repr=False)
     depends: Dependencies | None = field(default=None, repr=False)
     structure: tuple | None = field(default=None, repr=False)
+    deferred_walk: bool = False
 
     @property
     def grouped(self) -> bool:
@@ -165,6 +172,20 @@ class Route:
                            if readers[j])
         return RelayDecision(self.relay, self.reason, self.prefix_length, self.rows, self.static, self.fast_decode,
                              self.loop_reason, groups, decode_step=self.decode_step)
+
+
+class RouteChanged(Exception):
+    """A route decided under the model's latest walk (``Route.deferred_walk``) that the call's own walk found out of
+    date (``confirm_walk``): the model changed since. The call's work is thrown away, before anything of it was
+    drawn, shown or counted, and the call is decided again."""
+
+
+def confirm_walk(model, route: Route) -> None:
+    """The walk a route decided under the model's latest walk (``Route.deferred_walk``) owes: raises
+    ``RouteChanged`` where the model as it is now differs from what the route was decided under (its whole
+    signature, the parameters' version counters included: kept prefixes depend on them). Nothing for other routes."""
+    if route.deferred_walk and walk(model) != route.depends:
+        raise RouteChanged("the model changed since its latest walk")
 
 
 class RunStock(Exception):
@@ -278,7 +299,7 @@ def flash_fit_reason(model, cb_config) -> str | None:
 def kept_dependencies(model) -> Dependencies | None:
     """``dependencies.kv_dependencies(model)`` (one walk of the model) when a call may read and keep prefixes in the
     model's prefix store now (``keeps_prefixes``), else ``None``."""
-    return kv_dependencies(model) if keeps_prefixes(model) else None
+    return walk(model) if keeps_prefixes(model) else None
 
 
 def keeps_prefixes(model) -> bool:
@@ -392,19 +413,22 @@ def user_cache(call: dict):
     return next((call[n] for n in CACHE_NAMES if call.get(n) is not None), None)
 
 
-def decide(model, call: dict, before_walk: Callable[[Grouping], None] | None = None) -> Route:
+def decide(model, call: dict, before_walk: Callable[[Grouping], None] | None = None,
+           defer_walk: bool = False) -> Route:
     """The route of one patched ``generate`` call (``call``: its arguments by name). Raises ``ValueError`` for input
     stock would accept but that cannot be right (a ``RelayCache`` that does not fit the model or the rows).
     ``before_walk(grouping)``: called once the call is known to run relay over ``grouping`` and read the prefix
     store, before the model is walked (the caller launches the kept segments' checks there, so the device runs them
-    while the host walks)."""
+    while the host walks). ``defer_walk``: a call on relay_hf's loop that reads the prefix store is routed under the
+    model's latest walk where there is one (``Route.deferred_walk``): the caller then owes ``confirm_walk`` before
+    anything of the call is drawn or shown."""
     try:
-        return _decide(model, call, before_walk)
+        return _decide(model, call, before_walk, defer_walk)
     except RunStock as why:
         return Route(False, str(why), expected=why.expected)
 
 
-def _decide(model, call: dict, before_walk: Callable[[Grouping], None] | None) -> Route:
+def _decide(model, call: dict, before_walk: Callable[[Grouping], None] | None, defer_walk: bool) -> Route:
     eligible(model, call)
     gen = resolve(model, call)
     served_config(gen, call)
@@ -433,8 +457,11 @@ def _decide(model, call: dict, before_walk: Callable[[Grouping], None] | None) -
     if keeps and before_walk is not None:
         before_walk(grouping)
     # the call's one walk of the model: what kept prefixes depend on, and the structure relay_hf's loop replays its
-    # slot's recorded step and prefills under (``state.StaticSlot.made_under``)
-    walked = kv_dependencies(model) if keeps or fast else None
+    # slot's recorded step and prefills under (``state.StaticSlot.made_under``); deferred where the loop confirms it
+    # (``confirm_walk``) once the prefill is launched: the walk is a 32-layer model's 2-4 ms of host time
+    last = relay_state(model).last_walk if defer_walk and keeps and fast else None
+    latest = None if last is None else last.depends()
+    walked = latest if latest is not None else walk(model) if keeps or fast else None
     depends = walked if keeps else None
     static, compiled = static_shape(model, gen, cache, grouping, fast, walked)
     capacity = suffix = 0
@@ -448,7 +475,8 @@ def _decide(model, call: dict, before_walk: Callable[[Grouping], None] | None) -
                  decode_step=decode_step(model, gen, fast, compiled), new_tokens=n_new, static_capacity=capacity,
                  static_rows=DEFAULT_DECODE.bucket(rows) if fast else rows, suffix_columns=suffix, ids=ids, mask=mask,
                  n_pad=n_pad, user_cache=cache, grouping=grouping, gen=gen, compile_config=compiled,
-                 processors=processors, depends=depends, structure=walked.structure if fast else None)
+                 processors=processors, depends=depends, structure=walked.structure if fast else None,
+                 deferred_walk=latest is not None)
 
 
 def eligible(model, call: dict) -> None:

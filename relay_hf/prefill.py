@@ -183,7 +183,8 @@ def layer_windows(model, depends=None) -> list[int | None]:
     they are found here)."""
     n_layers = model.config.get_text_config(decoder=True).num_hidden_layers
     found: dict[int, set] = {}
-    for index, own in indexed_modules(model) if depends is None else depends.indexed:
+    for index, module in indexed_modules(model) if depends is None else depends.indexed:
+        own = module.__dict__  # (a miss through ``nn.Module.__getattr__`` raises)
         if "sliding_window" in own:
             found.setdefault(index, set()).add(own["sliding_window"])
     out = []

@@ -12,7 +12,7 @@ import threading
 from dataclasses import InitVar, dataclass, field
 
 from .counters import Counters
-from .dependencies import kv_dependencies
+from .dependencies import Dependencies, LatestWalk, kv_dependencies
 from .prefill import segment_nbytes
 from .store import PrefixStore
 
@@ -40,6 +40,14 @@ class StaticSlot:
             self.structure = structure
         return self
 
+    def replayable(self, structure: object) -> bool:
+        """Whether a call routed under ``structure`` before walking the model itself (the model's latest walk:
+        ``Route.deferred_walk``) may replay this slot's recorded prefills before its walk confirms it: they were
+        made under another structure (``made_under`` drops them), or every parameter and buffer they read is still
+        allocated where it was (``SuffixPrefill.allocated``): a graph reads by address, and a freed one could fault
+        the device. What they compute meanwhile is thrown away where the walk then finds the model changed."""
+        return self.structure != structure or self.prefill is None or self.prefill.allocated()
+
     def recordings(self) -> tuple:
         """What the slot has recorded so far, as a comparable value: its step and how far it got (warming up,
         captured), its prefills' lengths."""
@@ -51,7 +59,7 @@ class StaticSlot:
         model is walked again, and if its structure is not the one the call was routed under (another thread changed
         the model meanwhile), what was recorded is marked as made under an unknown structure, so the next call makes
         it again. (A change made and undone while the call records is not seen: docs/api.md.)"""
-        if self.recordings() != before and kv_dependencies(model).structure != self.structure:
+        if self.recordings() != before and walk(model).structure != self.structure:
             self.structure = None
 
 
@@ -72,6 +80,8 @@ class RelayState:
             recording failed: ``suffix_prefill.py``), or ``None``.
         prefill_uncompiled: why they are no longer recorded through the decode step's compiled region (compiling or
             recording it failed: ``suffix_prefill.py``), or ``None``.
+        last_walk: the model's latest walk (``walk``), under which a chat turn is routed before it walks the model
+            itself (``policy.decide``, ``Route.deferred_walk``), or ``None``.
     """
 
     original_attn: str
@@ -82,6 +92,7 @@ class RelayState:
     counters: Counters = field(default_factory=Counters, repr=False)  # ``relay_hf.stats``
     prefill_eager: str | None = field(default=None, repr=False)
     prefill_uncompiled: str | None = field(default=None, repr=False)
+    last_walk: LatestWalk | None = field(default=None, repr=False)
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
     _idle: list = field(default_factory=list, repr=False)
     _regions: dict = field(default_factory=dict, repr=False)
@@ -156,6 +167,16 @@ def relay_state(model) -> RelayState | None:
 def attach_state(model, state: RelayState) -> None:
     """Keep ``state`` on ``model`` (``patch``): an attribute of the instance, so copies and pickles carry it."""
     setattr(model, _ATTRIBUTE, state)
+
+
+def walk(model) -> Dependencies:
+    """``dependencies.kv_dependencies(model)``, kept as the model's latest walk (``RelayState.last_walk``) where it is
+    patched. Every walk of a patched model goes through here."""
+    depends = kv_dependencies(model)
+    state = relay_state(model)
+    if state is not None:
+        state.last_walk = LatestWalk(depends)
+    return depends
 
 
 def detach_state(model) -> RelayState:

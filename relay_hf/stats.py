@@ -41,8 +41,8 @@ def layer_kv_bytes(model, depends=None) -> list[int]:
     layers = getattr(text, "num_hidden_layers", 1)
     itemsize = model.dtype.itemsize
     found: dict[int, list[int]] = {}
-    for index, own in indexed_modules(model) if depends is None else depends.indexed:
-        k, v = own["_modules"].get("k_proj"), own["_modules"].get("v_proj")
+    for index, module in indexed_modules(model) if depends is None else depends.indexed:
+        k, v = module._modules.get("k_proj"), module._modules.get("v_proj")
         if 0 <= index < layers and isinstance(k, torch.nn.Linear) and isinstance(v, torch.nn.Linear):
             found.setdefault(index, []).append((k.out_features + v.out_features) * itemsize)
     if all(len(found.get(i, ())) == 1 for i in range(layers)):

@@ -284,6 +284,13 @@ class PrefixStore(BudgetStore):
                 self.hits -= len(served)  # the call is run again, and its run counts what it takes
             raise StaleKept(f"{len(failed)} kept prefix segment(s) failed their check")
 
+    def abandon(self, pending: list) -> None:
+        """Forget the verdicts ``get`` left in ``pending`` without reading them, and empty it: the call that took
+        those hits is run again (``policy.RouteChanged``), and its run counts what it takes."""
+        with self._lock:
+            self.hits -= len(pending)
+        pending.clear()
+
     def _drop_stale(self, key: Hashable) -> None:
         """Drop ``key``'s entry, which failed its check, and every entry kept under it (``_drop_under``); each counts
         in ``stale``."""

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .freshness import addresses, allocated
 from .graphs import Eager, capture_graph, on_side_stream
 from .state import relay_state
 from .stats import attention_windows
@@ -72,6 +73,15 @@ class SuffixPrefill:
         self.name = name  # the forward's cache argument (``_compat.cache_kwarg_name``)
         self.graphs: dict[tuple, _Graph | Eager] = {}
         self.pool = None  # the memory pool the graphs share
+        # (weakref, where) of each parameter and buffer the graphs read, taken at the first recording
+        # (``freshness.addresses``; ``None``: not locatable); ``()`` before it
+        self.reads: tuple | None = ()
+
+    def allocated(self) -> bool:
+        """Whether every parameter and buffer its graphs read is still allocated where it was when they were recorded
+        (``freshness.allocated``; ``False`` where they could not be located). All of one slot's graphs are recorded
+        under one structure (``StaticSlot.made_under``), so on the same tensors at the same addresses."""
+        return self.reads is not None and allocated(self.reads)
 
     def __deepcopy__(self, memo):  # a CUDA graph cannot be copied; a copied model records its own
         return None
@@ -149,6 +159,8 @@ class SuffixPrefill:
         except Exception as err:  # noqa: BLE001 - the caller decides what a failed recording means
             raise _Unrecorded(err, logits) from err
         self.pool = graph.pool()
+        if self.reads == ():
+            self.reads = addresses(model)
         self.graphs[key] = _Graph(graph, ids, pos, out)
         # one graph per length: the other road's (the eager one once compiled, a compiled one no step will hand a
         # runner for again) is not replayed again, and its memory goes back to the pool

@@ -1,12 +1,13 @@
 """What a model's recorded work depends on: ``kv_dependencies`` sees every change through the model's structure and
 version counters, and compares equal when nothing changed."""
 
+import copy
 import functools
 
 import pytest
 import torch
 
-from relay_hf.dependencies import kv_dependencies
+from relay_hf.dependencies import LatestWalk, kv_dependencies
 from tests.helpers import tiny_model
 
 
@@ -113,3 +114,22 @@ def test_a_forward_replaced_by_one_that_took_the_freed_ones_id_is_a_change():
     assert id(new) == first  # the case this test is about
     layer.forward = new
     assert kv_dependencies(model) != before
+
+
+def test_the_latest_walk_holds_no_module_and_gives_the_walk_back_while_what_it_found_lives():
+    """``LatestWalk`` (what a patched model keeps of its latest walk between calls) gives back ``Dependencies`` equal
+    to the walk's, with the same modules; a module it found that the user drops is freed, and it then answers
+    ``None`` (the model changed: the call walks it first)."""
+    import gc
+    import weakref
+
+    model = tiny_model("llama")
+    depends = kv_dependencies(model)
+    latest = LatestWalk(depends)
+    again = latest.depends()
+    assert again == depends and [m for _, m in again.indexed] == [m for _, m in depends.indexed]
+    old = weakref.ref(model.model.layers[0].self_attn)
+    model.model.layers[0].self_attn = copy.deepcopy(model.model.layers[0].self_attn)
+    del depends, again
+    gc.collect()
+    assert old() is None and latest.depends() is None

@@ -4,7 +4,15 @@ its KV, wherever the change lands and however it is made (no version counter mov
 import pytest
 import torch
 
-from relay_hf.freshness import CHECK_TOKENS, SegmentCheck, _reads, allocated, bit_sums, check_stream, partial_reach
+from relay_hf.freshness import (
+    CHECK_TOKENS,
+    SegmentCheck,
+    addresses,
+    allocated,
+    bit_sums,
+    check_stream,
+    partial_reach,
+)
 from tests.helpers import VOCAB, tiny_model
 
 IDS = torch.randint(3, VOCAB, (24,), generator=torch.Generator().manual_seed(0))
@@ -116,7 +124,7 @@ def test_allocated_fails_once_a_tensor_a_graph_read_is_gone_or_moved(change):
     """A captured check reads by address, so it is launched before the walk only while every parameter and buffer
     it read is alive where it was (``allocated``); a write in place keeps them there (the check then sees it)."""
     model = tiny_model("llama")
-    reads = _reads(model)
+    reads = addresses(model)
     assert allocated(reads)
     _data_write_in_last_layer(model)
     assert allocated(reads)
@@ -136,9 +144,9 @@ class _NoStorage(torch.Tensor):  # a wrapper subclass (as quantized weights are)
 
 def test_a_model_with_a_tensor_it_cannot_locate_is_never_launched_early():
     model = tiny_model("llama")
-    assert _reads(model) is not None
+    assert addresses(model) is not None
     model.model.register_buffer("opaque", _NoStorage(torch.zeros(3)), persistent=False)
-    assert _reads(model) is None  # its checks then run after the walk only (``_Replay.launch`` refuses)
+    assert addresses(model) is None  # its checks then run after the walk only (``_Replay.launch`` refuses)
 
 
 def test_a_verdict_reads_a_launched_head_instead_of_running_the_check():

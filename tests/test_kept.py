@@ -68,9 +68,9 @@ def test_a_call_under_a_kept_prompt_launches_its_check_before_the_walk(monkeypat
     prompt = torch.arange(10, 30)
     relay_hf.pin(model, prompt)
     events = []
-    launch, walk = SegmentCheck.launch, policy.kv_dependencies
+    launch, walk = SegmentCheck.launch, policy.walk
     monkeypatch.setattr(SegmentCheck, "launch", lambda self, m: events.append("launch") or launch(self, m))
-    monkeypatch.setattr(policy, "kv_dependencies", lambda m: events.append("walk") or walk(m))
+    monkeypatch.setattr(policy, "walk", lambda m: events.append("walk") or walk(m))
     ids = torch.cat([prompt, torch.arange(40, 45)])[None]
     gen = dict(attention_mask=torch.ones_like(ids), max_new_tokens=2, do_sample=False)
     model.generate(ids, **gen)
@@ -106,7 +106,7 @@ def test_a_turn_launches_its_kept_prompts_check_before_the_walk_on_gpu(monkeypat
     time (a copy of the model changed the same way)."""
     model, stock, row, gen = _pinned_turn_on_cuda(seed=5, new_tokens=5)
     events = []
-    launch, replay, walk = _Replay.launch, _Replay.run, policy.kv_dependencies
+    launch, replay, walk = _Replay.launch, _Replay.run, policy.walk
 
     def spy_launch(self, m):
         head = launch(self, m)
@@ -115,7 +115,7 @@ def test_a_turn_launches_its_kept_prompts_check_before_the_walk_on_gpu(monkeypat
 
     monkeypatch.setattr(_Replay, "launch", spy_launch)
     monkeypatch.setattr(_Replay, "run", lambda self, m, head: events.append("replay") or replay(self, m, head))
-    monkeypatch.setattr(policy, "kv_dependencies", lambda m: events.append("walk") or walk(m))
+    monkeypatch.setattr(policy, "walk", lambda m: events.append("walk") or walk(m))
 
     def turn(expected_events, kept):
         events.clear()
@@ -134,6 +134,7 @@ def test_a_turn_launches_its_kept_prompts_check_before_the_walk_on_gpu(monkeypat
     for m in (model, stock):
         m.model.layers[0].mlp.up_proj.weight = torch.nn.Parameter(m.model.layers[0].mlp.up_proj.weight.detach().clone())
     gc.collect()
+    torch.cuda.empty_cache()  # (a graph replayed on what it read would now read memory given back to the driver)
     assert old() is None  # nothing of relay_hf's holds the model's parameters
     turn([("launch", False), "walk"], kept=0)
 

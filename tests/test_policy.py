@@ -1,14 +1,16 @@
 """Every relay-or-stock rule: when relay pays, and the one frozen route ``decide`` gives each call."""
 
+import copy
 import dataclasses
 
 import pytest
 import torch
 
 import relay_hf
+from relay_hf.dependencies import kv_dependencies
 from relay_hf.policy import CUDA_MIN_SHARED_TOKENS, cost_reason, decide
 from relay_hf.sampling import loop_sampler
-from tests.helpers import shared_prefix_batch, tiny_model
+from tests.helpers import VOCAB, shared_prefix_batch, tiny_model
 
 CPU, CUDA = torch.device("cpu"), torch.device("cuda")
 
@@ -145,3 +147,78 @@ def test_no_kernel_check_off_cuda(model, batch, monkeypatch):
 
     monkeypatch.setattr(policy, "kernel_reason", lambda *key: pytest.fail("a CPU model has no Triton kernel to check"))
     assert decide(model, _call(*batch)).relay
+
+
+# -- a chat turn routed under the model's latest walk ---------------------------------------------------------------
+def _turn_under_a_pinned_prompt():
+    """A patched tiny model on relay_hf's loop with a 40-token prompt pinned (walked: the model's latest walk), an
+    unpatched copy, and a one-row turn under the prompt with its greedy ``generate`` arguments."""
+    model = tiny_model("llama")
+    stock = copy.deepcopy(model)
+    relay_hf.patch(model, min_prefix_length=8, decode="graph")
+    g = torch.Generator().manual_seed(3)
+    prompt = torch.randint(3, VOCAB, (40,), generator=g)
+    relay_hf.pin(model, prompt)
+    row = torch.cat([prompt, torch.randint(3, VOCAB, (9,), generator=g)])[None]
+    return model, stock, row, dict(attention_mask=torch.ones_like(row), max_new_tokens=4, do_sample=False)
+
+
+def test_a_turn_under_a_kept_prompt_walks_the_model_once_its_prefill_is_launched(monkeypatch):
+    """A call on relay_hf's loop that reads the prefix store is routed under the model's latest walk
+    (``Route.deferred_walk``: the same ``Dependencies``) and walks the model itself after its prefill, once; the
+    tokens are stock's. Without ``defer_walk``, or off relay_hf's loop, the route walks first."""
+    import relay_hf.decode as decode
+    import relay_hf.policy as policy
+
+    model, stock, row, gen = _turn_under_a_pinned_prompt()
+    call = _call(row, gen["attention_mask"], max_new_tokens=4)
+    route = decide(model, call, defer_walk=True)
+    assert route.deferred_walk and route.depends == kv_dependencies(model)
+    assert not decide(model, call).deferred_walk
+    assert not decide(model, {**call, "num_beams": 2}, defer_walk=True).deferred_walk  # transformers' loop
+    events = []
+    walk, prefill = policy.walk, decode._prefill
+    monkeypatch.setattr(policy, "walk", lambda m: events.append("walk") or walk(m))
+    monkeypatch.setattr(decode, "_prefill", lambda *a, **k: events.append("prefill") or prefill(*a, **k))
+    for _ in range(2):
+        events.clear()
+        assert torch.equal(model.generate(row, **gen), stock.generate(row, **gen))
+        assert events == ["prefill", "walk"] and model.relay_last_decision.prefix_kept == 40
+
+
+def _write_in_place(m):
+    with torch.no_grad():
+        m.model.layers[1].mlp.up_proj.weight.mul_(1.5)
+
+
+CHANGES = {  # a change the walk sees, made to the model and to its stock copy alike
+    "a hook added": lambda m: m.model.layers[1].mlp.register_forward_hook(lambda mod, args, out: out * 1.5),
+    "a parameter replaced": lambda m: setattr(m.model.layers[1].mlp.up_proj, "weight", torch.nn.Parameter(
+        m.model.layers[1].mlp.up_proj.weight.detach() * 1.5)),
+    "a module replaced": lambda m: setattr(m.model, "norm", torch.nn.Identity()),
+    "a write in place": _write_in_place,
+    "the dtype": lambda m: m.to(torch.float64),
+}
+
+
+@pytest.mark.parametrize("change", CHANGES)
+def test_a_turn_after_a_change_is_decided_again_and_gives_stock_tokens(change, monkeypatch):
+    """A model changed since its latest walk: the turn routed under that walk finds the change in its own walk (or
+    fails on it first: the dtype) and is decided again, walking first; its first run's hit is not counted. Stock's
+    tokens (a copy changed the same way), and the next turn is routed under the new walk."""
+    import relay_hf.generate as generate
+
+    model, stock, row, gen = _turn_under_a_pinned_prompt()
+    model.generate(row, **gen)
+    for m in (model, stock):
+        CHANGES[change](m)
+    routes = []
+    real = generate.decide
+    monkeypatch.setattr(generate, "decide", lambda *a, **k: routes.append(real(*a, **k)) or routes[-1])
+    hits = relay_hf.stats(model).prefix_hits
+    assert torch.equal(model.generate(row, **gen), stock.generate(row, **gen))
+    assert [r.deferred_walk for r in routes] == [True, False]
+    assert relay_hf.stats(model).prefix_hits == hits  # (the change dropped the kept prompt: prefilled again)
+    routes.clear()
+    assert torch.equal(model.generate(row, **gen), stock.generate(row, **gen))
+    assert [r.deferred_walk for r in routes] == [True] and relay_hf.stats(model).prefix_hits == hits + 1

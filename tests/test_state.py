@@ -160,7 +160,7 @@ def test_a_compiled_step_is_made_again_after_a_change_and_gives_what_a_fresh_pat
 
 
 def test_a_step_recorded_while_the_model_changed_is_made_again_by_the_next_call(monkeypatch):
-    """A call walks the model once (``policy.decide``); where it records a step or prefill on its slot, it walks
+    """A call walks the model once (``policy``); where it records a step or prefill on its slot, it walks
     again before giving the slot back (``StaticSlot.confirm``), and a model changed in between (here by a hook, in
     place of another thread) leaves the slot marked as made under no known structure: the next call makes its step
     again. A call that records nothing walks once."""
@@ -183,12 +183,32 @@ def test_a_step_recorded_while_the_model_changed_is_made_again_by_the_next_call(
     assert swapped and slot.structure is None
     stepper = slot.stepper
     handle.remove()
-    walks = []
-    real = relay_hf.state.kv_dependencies
-    monkeypatch.setattr(relay_hf.state, "kv_dependencies", lambda m: walks.append(1) or real(m))
+    walks = []  # the slots' own walks (``StaticSlot.confirm``): the route's are ``policy``'s
+    real = relay_hf.state.walk
+    monkeypatch.setattr(relay_hf.state, "walk", lambda m: walks.append(1) or real(m))
     model.generate(ids, **call)
     slot = relay_state(model).idle_static()
     assert slot.stepper is not stepper and slot.structure is not None
-    assert walks == [1]  # its step made again: walked again after the call
+    assert walks  # its step made again: walked again after the call
+    walks.clear()
     model.generate(ids, **call)
-    assert relay_state(model).idle_static().stepper is slot.stepper and walks == [1]  # nothing recorded: no walk
+    assert relay_state(model).idle_static().stepper is slot.stepper and not walks  # nothing recorded: no walk
+
+
+def test_a_slot_replays_its_prefills_before_the_walk_only_where_what_they_read_is_still_allocated():
+    """``StaticSlot.replayable``: a call routed under the model's latest walk may replay the slot's recorded prefills
+    before walking only where every tensor they read is where it was (``SuffixPrefill.allocated``, taken at the
+    first recording; not locatable: never); a slot made under another structure drops them anyway."""
+    from relay_hf.freshness import addresses
+    from relay_hf.suffix_prefill import SuffixPrefill
+
+    model = torch.nn.Linear(4, 4)
+    prefill = SuffixPrefill("cache")
+    slot = StaticSlot(cache=object(), prefill=prefill, structure="s")
+    assert prefill.allocated() and slot.replayable("s")  # nothing recorded yet
+    prefill.reads = addresses(model)
+    assert slot.replayable("s")
+    model.weight = torch.nn.Parameter(torch.zeros(8, 4))
+    assert not slot.replayable("s") and slot.replayable("t")
+    prefill.reads = None  # a tensor that could not be located
+    assert not slot.replayable("s")

@@ -305,14 +305,17 @@ class SegmentCheck(NamedTuple):
         self.replay.join(model)  # known on the host: the caller's stream goes on after what the check queued (the
         return known             # entry may be dropped now, its graph with it)
 
-    def launch(self, model) -> dict:
+    def launch(self, model) -> dict | None:
         """This check's forward launched now, before the call walks the model, where it can be (``_Replay.launch``):
-        ``{id(replay): (replay, head)}`` for ``verdict``'s memo (``"launched"``), else ``{}``. It reads only
-        parameters and buffers still allocated where it read them (``allocated``), and a model changed in a way the
-        walk sees drops the entry before its verdict is asked for (``dependencies.kv_dependencies``). The replay is held
+        ``{id(replay): (replay, head)}`` for ``verdict``'s memo (``"launched"``); ``{}`` where it has no graph (its
+        verdict runs the forward as it is now); ``None`` where its graph cannot be replayed now: a parameter or
+        buffer it read is no longer allocated where it was (``allocated``), so the model changed, and the call's walk
+        must drop the entry before its verdict is asked for (``dependencies.kv_dependencies``). The replay is held
         with its output, so its graph outlives the launch."""
+        if self.replay.graph is None:
+            return {}
         head = self.replay.launch(model)
-        return {} if head is None else {id(self.replay): (self.replay, head)}
+        return None if head is None else {id(self.replay): (self.replay, head)}
 
     def holds(self, model, full_ids: torch.Tensor, memo: dict | None = None) -> bool:
         """Whether ``model`` as it is now gives this check's values, bit for bit (``verdict``, read now)."""

@@ -303,9 +303,11 @@ def _generate(model, args: tuple, kwargs: dict, launched: dict, started: list):
     stock = types.MethodType(type(model).generate, model)
     call = _bind(model, args, kwargs)
 
-    def before_walk(grouping):
+    def before_walk(grouping) -> bool:
         started.append(True)  # (before the launches: one that raises part way is joined too)
-        launched.update(launch_checks(model, grouping.tree))
+        checks, refused = launch_checks(model, grouping.tree)
+        launched.update(checks)
+        return not refused
 
     try:
         return _run(model, stock, call, args, kwargs, before_walk, launched, defer_walk=True)

@@ -34,16 +34,25 @@ def tree_keys(tree: PrefixTree) -> list[PrefixKey]:
     return [segment_key(tree, j) for j in range(len(tree.ids))]
 
 
-def launch_checks(model, tree: PrefixTree) -> dict:
+def launch_checks(model, tree: PrefixTree) -> tuple[dict, bool]:
     """The checks of ``tree``'s segments kept in the model's prefix store, launched on the device now
     (``SegmentCheck.launch``): ``policy.decide`` calls for this before it walks the model, so the device runs them
     while the host walks (a chat turn's first token comes that much sooner: docs/performance.md, the chat turn).
-    Returns what ``kept_caches`` takes as ``launched``; ``{}`` where none is kept or none can be launched (off CUDA).
-    What the call then finds is unchanged: a segment the walk finds stale is dropped, its launch thrown away."""
-    def launch(kept) -> dict:
-        return kept.check.launch(model) if isinstance(kept, KeptSegment) else {}
+    Returns ``(launched, refused)``: what ``kept_caches`` takes as ``launched`` (``{}`` where none is kept or none
+    can be launched: off CUDA), and whether a check recorded as a CUDA graph could not be launched (a tensor it read
+    is gone or moved: the model changed). Then the call walks the model before it reads any verdict, and the walk
+    drops the entry, its graph never replayed. What the call finds is unchanged: a segment the walk finds stale is
+    dropped, its launch thrown away."""
+    refused = []
 
-    return relay_state(model).store.launch(tree_keys(tree), launch)
+    def launch(kept) -> dict:
+        checks = kept.check.launch(model) if isinstance(kept, KeptSegment) else {}
+        if checks is None:
+            refused.append(kept)
+            return {}
+        return checks
+
+    return relay_state(model).store.launch(tree_keys(tree), launch), bool(refused)
 
 
 def join_checks(model) -> None:

@@ -413,22 +413,23 @@ def user_cache(call: dict):
     return next((call[n] for n in CACHE_NAMES if call.get(n) is not None), None)
 
 
-def decide(model, call: dict, before_walk: Callable[[Grouping], None] | None = None,
+def decide(model, call: dict, before_walk: Callable[[Grouping], bool] | None = None,
            defer_walk: bool = False) -> Route:
     """The route of one patched ``generate`` call (``call``: its arguments by name). Raises ``ValueError`` for input
     stock would accept but that cannot be right (a ``RelayCache`` that does not fit the model or the rows).
     ``before_walk(grouping)``: called once the call is known to run relay over ``grouping`` and read the prefix
     store, before the model is walked (the caller launches the kept segments' checks there, so the device runs them
-    while the host walks). ``defer_walk``: a call on relay_hf's loop that reads the prefix store is routed under the
-    model's latest walk where there is one (``Route.deferred_walk``): the caller then owes ``confirm_walk`` before
-    anything of the call is drawn or shown."""
+    while the host walks); it answers whether every check recorded as a CUDA graph could be launched (none reads a
+    tensor no longer where it was). ``defer_walk``: a call on relay_hf's loop that reads the prefix store is then
+    routed under the model's latest walk where there is one (``Route.deferred_walk``): the caller owes
+    ``confirm_walk`` before anything of the call is drawn or shown."""
     try:
         return _decide(model, call, before_walk, defer_walk)
     except RunStock as why:
         return Route(False, str(why), expected=why.expected)
 
 
-def _decide(model, call: dict, before_walk: Callable[[Grouping], None] | None, defer_walk: bool) -> Route:
+def _decide(model, call: dict, before_walk: Callable[[Grouping], bool] | None, defer_walk: bool) -> Route:
     eligible(model, call)
     gen = resolve(model, call)
     served_config(gen, call)
@@ -454,12 +455,11 @@ def _decide(model, call: dict, before_walk: Callable[[Grouping], None] | None, d
     if why is not None:
         raise RunStock(why)
     keeps = cache is None and keeps_prefixes(model)
-    if keeps and before_walk is not None:
-        before_walk(grouping)
+    launched = keeps and before_walk is not None and before_walk(grouping)
     # the call's one walk of the model: what kept prefixes depend on, and the structure relay_hf's loop replays its
     # slot's recorded step and prefills under (``state.StaticSlot.made_under``); deferred where the loop confirms it
     # (``confirm_walk``) once the prefill is launched: the walk is a 32-layer model's 2-4 ms of host time
-    last = relay_state(model).last_walk if defer_walk and keeps and fast else None
+    last = relay_state(model).last_walk if defer_walk and launched and fast else None
     latest = None if last is None else last.depends()
     walked = latest if latest is not None else walk(model) if keeps or fast else None
     depends = walked if keeps else None

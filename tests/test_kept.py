@@ -75,7 +75,7 @@ def test_a_call_under_a_kept_prompt_launches_its_check_before_the_walk(monkeypat
     gen = dict(attention_mask=torch.ones_like(ids), max_new_tokens=2, do_sample=False)
     model.generate(ids, **gen)
     assert events == ["launch", "walk"] and model.relay_last_decision.prefix_kept == 20
-    assert launch_checks(model, PrefixTree.from_prefixes([prompt])) == {}  # off CUDA: nothing captured
+    assert launch_checks(model, PrefixTree.from_prefixes([prompt])) == ({}, False)  # off CUDA: nothing captured
     events.clear()
     model.generate(ids, **gen, output_attentions=True)  # stock
     assert not model.relay_last_decision.used

@@ -166,16 +166,22 @@ def _turn_under_a_pinned_prompt():
 def test_a_turn_under_a_kept_prompt_walks_the_model_once_its_prefill_is_launched(monkeypatch):
     """A call on relay_hf's loop that reads the prefix store is routed under the model's latest walk
     (``Route.deferred_walk``: the same ``Dependencies``) and walks the model itself after its prefill, once; the
-    tokens are stock's. Without ``defer_walk``, or off relay_hf's loop, the route walks first."""
+    tokens are stock's. Without ``defer_walk``, where a kept check's graph could not be launched, or off relay_hf's
+    loop, the route walks first."""
     import relay_hf.decode as decode
     import relay_hf.policy as policy
 
     model, stock, row, gen = _turn_under_a_pinned_prompt()
     call = _call(row, gen["attention_mask"], max_new_tokens=4)
-    route = decide(model, call, defer_walk=True)
+
+    def launched(grouping):  # every kept check launched (or none recorded as a graph)
+        return True
+
+    route = decide(model, call, launched, defer_walk=True)
     assert route.deferred_walk and route.depends == kv_dependencies(model)
-    assert not decide(model, call).deferred_walk
-    assert not decide(model, {**call, "num_beams": 2}, defer_walk=True).deferred_walk  # transformers' loop
+    assert not decide(model, call, launched).deferred_walk
+    assert not decide(model, call, lambda grouping: False, defer_walk=True).deferred_walk  # a check refused its launch
+    assert not decide(model, {**call, "num_beams": 2}, launched, defer_walk=True).deferred_walk  # transformers' loop
     events = []
     walk, prefill = policy.walk, decode._prefill
     monkeypatch.setattr(policy, "walk", lambda m: events.append("walk") or walk(m))

@@ -154,9 +154,12 @@ def _static_slot(model, base: RelayCache, route: Route, pads: torch.Tensor, path
         slot = StaticSlot(base.fork(max_suffix_length=cap, suffix_padding=_extend(pads, rows),
                                     paths=_extend(paths, rows)), structure=route.structure)
     else:
-        if route.deferred_walk and not slot.replayable(route.structure):  # (nothing of the call launched yet)
-            state.give_back_static(slot)
-            raise RouteChanged("a recorded prefill reads a tensor no longer where it was")
+        if route.deferred_walk and not slot.replayable(route.structure):  # walked before its prefill replays
+            try:
+                confirm_walk(model, route)
+            except RouteChanged:
+                state.give_back_static(slot)
+                raise
         if route.fast_decode:  # its step and prefills replayed only under the structure they were made under
             slot.made_under(route.structure)
         held = slot.cache.layers[0].keys.shape[0]
@@ -191,6 +194,7 @@ def _run_relay(model, stock, call: dict, route: Route, launched: dict):
             except StaleKept:  # what it computed is thrown away; run again as a failed check runs: prefilled
                 logger.debug("relay_hf: a kept prefix failed its check after the call took it; running it again")
                 launched = {}  # their verdict is known: failed
+                route = dataclasses.replace(route, deferred_walk=False)  # (its walk confirmed: ``_run_kept``)
         (base,), _ = kept_caches(model, [grouping.tree], store, route.depends, launched=launched)
         return _run_relay_on(model, stock, call, route, layout, base, base.kept_tokens, sampler)
 
@@ -305,9 +309,9 @@ def _generate(model, args: tuple, kwargs: dict, launched: dict, started: list):
 
     def before_walk(grouping) -> bool:
         started.append(True)  # (before the launches: one that raises part way is joined too)
-        checks, refused = launch_checks(model, grouping.tree)
+        checks, whole = launch_checks(model, grouping.tree)
         launched.update(checks)
-        return not refused
+        return whole
 
     try:
         return _run(model, stock, call, args, kwargs, before_walk, launched, defer_walk=True)

@@ -38,21 +38,23 @@ def launch_checks(model, tree: PrefixTree) -> tuple[dict, bool]:
     """The checks of ``tree``'s segments kept in the model's prefix store, launched on the device now
     (``SegmentCheck.launch``): ``policy.decide`` calls for this before it walks the model, so the device runs them
     while the host walks (a chat turn's first token comes that much sooner: docs/performance.md, the chat turn).
-    Returns ``(launched, refused)``: what ``kept_caches`` takes as ``launched`` (``{}`` where none is kept or none
-    can be launched: off CUDA), and whether a check recorded as a CUDA graph could not be launched (a tensor it read
-    is gone or moved: the model changed). Then the call walks the model before it reads any verdict, and the walk
-    drops the entry, its graph never replayed. What the call finds is unchanged: a segment the walk finds stale is
-    dropped, its launch thrown away."""
-    refused = []
+    Returns ``(launched, whole)``: what ``kept_caches`` takes as ``launched`` (``{}`` where none is kept or none can
+    be launched: off CUDA), and whether every segment is kept and no check recorded as a CUDA graph was refused its
+    launch (a tensor it read is gone or moved: the model changed; the call then walks the model before it reads any
+    verdict, and the walk drops the entry, its graph never replayed). What the call finds is unchanged: a segment the
+    walk finds stale is dropped, its launch thrown away."""
+    kept, refused = [], []
 
-    def launch(kept) -> dict:
-        checks = kept.check.launch(model) if isinstance(kept, KeptSegment) else {}
+    def launch(value) -> dict:
+        kept.append(value)
+        checks = value.check.launch(model) if isinstance(value, KeptSegment) else {}
         if checks is None:
-            refused.append(kept)
+            refused.append(value)
             return {}
         return checks
 
-    return relay_state(model).store.launch(tree_keys(tree), launch), bool(refused)
+    launched = relay_state(model).store.launch(tree_keys(tree), launch)
+    return launched, len(kept) == len(tree.ids) and not refused
 
 
 def join_checks(model) -> None:

@@ -128,8 +128,9 @@ class Route:
             which alone a static slot's recorded step and prefills are replayed (``state.StaticSlot.made_under``).
         deferred_walk: ``depends`` and ``structure`` are the model's latest walk (``RelayState.last_walk``), not one
             of the call's own: the call walks the model once its prefill is launched (``confirm_walk``) and is
-            decided again where the model changed (``RouteChanged``). A chat turn under a kept prompt on relay_hf's
-            loop: its first token does not wait for the walk (docs/performance.md, the chat turn).
+            decided again where the model changed (``RouteChanged``). A call on relay_hf's loop whose every prefix
+            segment is kept (a chat turn under a kept prompt): its first token does not wait for the walk
+            (docs/performance.md, the chat turn).
     """
 
     relay: bool
@@ -419,10 +420,10 @@ def decide(model, call: dict, before_walk: Callable[[Grouping], bool] | None = N
     stock would accept but that cannot be right (a ``RelayCache`` that does not fit the model or the rows).
     ``before_walk(grouping)``: called once the call is known to run relay over ``grouping`` and read the prefix
     store, before the model is walked (the caller launches the kept segments' checks there, so the device runs them
-    while the host walks); it answers whether every check recorded as a CUDA graph could be launched (none reads a
-    tensor no longer where it was). ``defer_walk``: a call on relay_hf's loop that reads the prefix store is then
-    routed under the model's latest walk where there is one (``Route.deferred_walk``): the caller owes
-    ``confirm_walk`` before anything of the call is drawn or shown."""
+    while the host walks); it answers whether every segment is kept and every check recorded as a CUDA graph could
+    be launched (none reads a tensor no longer where it was). ``defer_walk``: such a call on relay_hf's loop is then
+    routed under the model's latest walk, where the store's entries were built under it (``Route.deferred_walk``):
+    the caller owes ``confirm_walk`` before anything of the call is drawn or shown."""
     try:
         return _decide(model, call, before_walk, defer_walk)
     except RunStock as why:
@@ -455,12 +456,14 @@ def _decide(model, call: dict, before_walk: Callable[[Grouping], bool] | None, d
     if why is not None:
         raise RunStock(why)
     keeps = cache is None and keeps_prefixes(model)
-    launched = keeps and before_walk is not None and before_walk(grouping)
+    kept_whole = keeps and before_walk is not None and before_walk(grouping)
     # the call's one walk of the model: what kept prefixes depend on, and the structure relay_hf's loop replays its
     # slot's recorded step and prefills under (``state.StaticSlot.made_under``); deferred where the loop confirms it
     # (``confirm_walk``) once the prefill is launched: the walk is a 32-layer model's 2-4 ms of host time
-    last = relay_state(model).last_walk if defer_walk and launched and fast else None
+    last = relay_state(model).last_walk if defer_walk and kept_whole and fast else None
     latest = None if last is None else last.depends()
+    if latest is not None and not relay_state(model).store.built_under(latest):  # the walk or the store is stale
+        latest = None
     walked = latest if latest is not None else walk(model) if keeps or fast else None
     depends = walked if keeps else None
     static, compiled = static_shape(model, gen, cache, grouping, fast, walked)

@@ -45,7 +45,8 @@ class StaticSlot:
         ``Route.deferred_walk``) may replay this slot's recorded prefills before its walk confirms it: they were
         made under another structure (``made_under`` drops them), or every parameter and buffer they read is still
         allocated where it was (``SuffixPrefill.allocated``): a graph reads by address, and a freed one could fault
-        the device. What they compute meanwhile is thrown away where the walk then finds the model changed."""
+        the device. What they compute meanwhile is thrown away where the walk then finds the model changed; where
+        this is ``False`` the call walks first (``generate._static_slot``)."""
         return self.structure != structure or self.prefill is None or self.prefill.allocated()
 
     def recordings(self) -> tuple:

@@ -284,9 +284,15 @@ class PrefixStore(BudgetStore):
                 self.hits -= len(served)  # the call is run again, and its run counts what it takes
             raise StaleKept(f"{len(failed)} kept prefix segment(s) failed their check")
 
+    def built_under(self, depends: object) -> bool:
+        """Whether the entries kept now were built under ``depends`` (its ``signature``): a call routed under the
+        model's latest walk reads them only then (``policy.decide``), so a walk older than the entries never drops
+        them."""
+        return self._depends == getattr(depends, "signature", depends)
+
     def abandon(self, pending: list) -> None:
-        """Forget the verdicts ``get`` left in ``pending`` without reading them, and empty it: the call that took
-        those hits is run again (``policy.RouteChanged``), and its run counts what it takes."""
+        """Forget the verdicts ``get`` left in ``pending`` without reading them, and empty it, their hits uncounted:
+        the call that took them is run again (``policy.RouteChanged``), and its run counts what it takes."""
         with self._lock:
             self.hits -= len(pending)
         pending.clear()

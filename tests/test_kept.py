@@ -75,7 +75,10 @@ def test_a_call_under_a_kept_prompt_launches_its_check_before_the_walk(monkeypat
     gen = dict(attention_mask=torch.ones_like(ids), max_new_tokens=2, do_sample=False)
     model.generate(ids, **gen)
     assert events == ["launch", "walk"] and model.relay_last_decision.prefix_kept == 20
-    assert launch_checks(model, PrefixTree.from_prefixes([prompt])) == ({}, False)  # off CUDA: nothing captured
+    # off CUDA nothing is captured, so nothing launched; the call may be routed before its walk only where every
+    # segment is kept
+    assert launch_checks(model, PrefixTree.from_prefixes([prompt])) == ({}, True)
+    assert launch_checks(model, PrefixTree.from_prefixes([torch.arange(50, 70)])) == ({}, False)
     events.clear()
     model.generate(ids, **gen, output_attentions=True)  # stock
     assert not model.relay_last_decision.used

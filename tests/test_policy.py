@@ -166,8 +166,8 @@ def _turn_under_a_pinned_prompt():
 def test_a_turn_under_a_kept_prompt_walks_the_model_once_its_prefill_is_launched(monkeypatch):
     """A call on relay_hf's loop that reads the prefix store is routed under the model's latest walk
     (``Route.deferred_walk``: the same ``Dependencies``) and walks the model itself after its prefill, once; the
-    tokens are stock's. Without ``defer_walk``, where a kept check's graph could not be launched, or off relay_hf's
-    loop, the route walks first."""
+    tokens are stock's. Without ``defer_walk``, where a segment is not kept or a kept check's graph could not be
+    launched, or off relay_hf's loop, the route walks first."""
     import relay_hf.decode as decode
     import relay_hf.policy as policy
 
@@ -190,6 +190,11 @@ def test_a_turn_under_a_kept_prompt_walks_the_model_once_its_prefill_is_launched
         events.clear()
         assert torch.equal(model.generate(row, **gen), stock.generate(row, **gen))
         assert events == ["prefill", "walk"] and model.relay_last_decision.prefix_kept == 40
+    ids, mask, _ = shared_prefix_batch(seed=9)  # a new shared prefix: not kept yet, so the call walks first
+    events.clear()
+    assert torch.equal(model.generate(ids, attention_mask=mask, max_new_tokens=4, do_sample=False),
+                       stock.generate(ids, attention_mask=mask, max_new_tokens=4, do_sample=False))
+    assert events[:2] == ["walk", "prefill"] and model.relay_last_decision.prefix_kept == 0
 
 
 def _write_in_place(m):

@@ -22,6 +22,14 @@ def test_a_miss_builds_a_hit_does_not():
     assert built == ["a"] and (store.hits, store.misses) == (1, 1)
 
 
+def test_built_under_names_the_signature_the_kept_entries_were_built_under():
+    store = _store()
+    store.get("a", ("s", 1), lambda: b"x")
+    assert store.built_under(("s", 1)) and not store.built_under(("s", 2))
+    store.get("a", ("s", 2), lambda: b"y")  # another signature drops the entries first
+    assert store.built_under(("s", 2)) and store.keys() == ["a"]
+
+
 def test_launch_runs_for_kept_values_only_and_changes_nothing():
     """``launch`` starts the checks of the kept values among ``keys`` (a call's segments, before ``get``), merging
     what each returns; the LRU order and the counters stay as they were."""

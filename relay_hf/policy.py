@@ -15,13 +15,13 @@ The rules, in the order they are checked:
    chooses) where it reproduces stock token for token, else transformers' loop: on a static ``RelayCache`` when the
    call asks for one (``cache_implementation="static"``), else on a dynamic one (``loop_rules.py``).
 
-The route only says what runs: what a call reads from the prefix store is taken when it runs (``kept.py``), under
-the model's structure as read here once (``Route.depends``, ``state.walk``: the one walk of the model a call makes;
-a call on relay_hf's loop that reads the store is routed under the model's latest walk and makes its own once its
-prefill is launched: ``Route.deferred_walk``, ``confirm_walk``), and relay_hf's loop builds its ``sampling.Sampler``
-from the processors judged here. Stock routes carry
-``expected``: ``False`` where the user would have gained from relay (``generate`` then warns once per reason through
-the ``relay_hf`` logger); ``True`` for the ordinary cases (one row, a short prefix, not patched).
+The route only says what runs: what a call reads from the prefix store is taken when it runs (``kept.py``), under the
+model's structure as read here once (``Route.depends``, ``state.walk``: the one walk of the model a call makes; a call
+on relay_hf's loop whose prefix is all kept is routed under the model's latest walk and makes its own once its prefill
+is launched: ``Route.deferred_walk``, ``confirm_walk``), and relay_hf's loop builds its ``sampling.Sampler`` from the
+processors judged here. Stock routes carry ``expected``: ``False`` where the user would have gained from relay
+(``generate`` then warns once per reason through the ``relay_hf`` logger); ``True`` for the ordinary cases (one row, a
+short prefix, not patched).
 """
 
 from __future__ import annotations

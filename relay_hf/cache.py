@@ -66,12 +66,12 @@ class _Constructors:
 
     @classmethod
     def from_tree(cls, model, tree: PrefixTree, store=None, depends=None, pending: list | None = None,
-                  launched: dict | None = None) -> RelayCache:
+                  launched: dict | None = None, check_row=None) -> RelayCache:
         """Prefill the segments of ``tree`` (roots at position 0, each child after its parent's KV) at batch 1 and
         pack them (``prefill.prefill_tree``; segments kept in ``store`` are not prefilled again: ``kept_tokens``
         says how many tokens came from it; ``pending``: their checks' verdicts, left unread; ``launched``: checks
-        launched early, ``kept.launch_checks``)."""
-        kv, windows, kept = prefill_tree(model, tree, store, depends, pending, launched)
+        launched early, ``kept.launch_checks``; ``check_row``: the call's ``check_row.CheckRow``)."""
+        kv, windows, kept = prefill_tree(model, tree, store, depends, pending, launched, check_row)
         cache = cls(model.config, kv, tree=tree, windows=windows)
         cache.kept_tokens = kept
         return cache

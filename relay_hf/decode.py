@@ -23,26 +23,42 @@ from .step import DEFAULT_DECODE, DecodeConfig, made_step, step_for
 from .suffix_prefill import SuffixPrefill, prefill_logits, recorded_length
 
 
-def _prefill(model, slot, ids: torch.Tensor, mask: torch.Tensor, rows: int, decode: DecodeConfig, step=None):
+def _prefill(model, slot, ids: torch.Tensor, mask: torch.Tensor, rows: int, decode: DecodeConfig, step=None,
+             check_row=None):
     """The rows' own tokens after the cached prefix (``ids`` / ``mask`` ``[R, T]``, relay layout), at ``rows >= R``
-    rows: the extra rows copy row 0. Recorded as a CUDA graph per suffix length where ``recorded_length`` allows (one
-    prefix, CUDA; ``suffix_prefill.py``; through ``step``'s compiled layer where it has one: the slot's step an earlier
-    call made, ``step.made_step``), else eager ops. Returns the last logits ``[rows, V]``, and the last tokens and their
-    next positions, ``[rows, 1]`` int64 each (the decode step's first inputs)."""
-    fill = torch.zeros(rows - ids.shape[0], dtype=torch.long, device=ids.device)
+    rows: the extra rows copy row 0, but for row ``R`` where the call runs a ``check_row`` (``check_row.py``: the
+    slot's padding for it set by the caller). Recorded as a CUDA graph per suffix length where ``recorded_length``
+    allows (one prefix, CUDA; ``suffix_prefill.py``; through ``step``'s compiled layer where it has one: the slot's
+    step an earlier call made, ``step.made_step``), else eager ops; a replay hands the check row its keys and values.
+    Returns the last logits ``[rows, V]``, and the last tokens and their next positions, ``[rows, 1]`` int64 each (the
+    decode step's first inputs)."""
+    R = ids.shape[0]
+    fill = torch.zeros(rows - R, dtype=torch.long, device=ids.device)
     ids_b, mask_b = torch.cat([ids, ids[fill]]), torch.cat([mask, mask[fill]])
-    pos = (mask_b.long().cumsum(-1) - 1).masked_fill(mask_b == 0, 0)  # stock's positions: pads get 0
     cache = slot.cache
     P = cache.prefix_length
+    if check_row is not None:
+        check_row.lay_out(ids_b[R], mask_b[R], P)
+    pos = (mask_b.long().cumsum(-1) - 1).masked_fill(mask_b == 0, 0)  # stock's positions: pads get 0
     own_ids, own_pos, name = ids_b[:, P:], pos[:, P:], cache_kwarg_name(model)
     L = own_ids.shape[1]
-    if ids.is_cuda and cache.groups is None and recorded_length(model, rows, L, decode) == L:
+    if _recorded(model, ids_b, cache, decode):
         if slot.prefill is None:
             slot.prefill = SuffixPrefill(name)
+        graph = slot.prefill.replays(own_ids, step)
         logits = slot.prefill(model, cache, own_ids, own_pos, step)
+        if check_row is not None and graph is not None:
+            check_row.supply(graph, cache, R, L)
     else:
         logits = prefill_logits(model, name, cache, own_ids, own_pos)
     return logits, ids_b[:, -1:], pos[:, -1:] + 1
+
+
+def _recorded(model, ids: torch.Tensor, cache, decode: DecodeConfig) -> bool:
+    """Whether the prefill of ``ids`` (``[rows, P + L]``) into ``cache`` runs as a recorded graph: on CUDA, one
+    prefix, its own length a recorded one (``recorded_length``)."""
+    L = ids.shape[1] - cache.prefix_length
+    return ids.is_cuda and cache.groups is None and recorded_length(model, ids.shape[0], L, decode) == L
 
 
 class _RngOffsets:
@@ -103,7 +119,7 @@ class _Finish:
 
 def fast_generate(model, ids: torch.Tensor, mask: torch.Tensor, stock_ids: torch.Tensor, slot, sampler: Sampler,
                   streamer, compile_config, n_new: int, rows_per_input: int = 1, stop=None,
-                  decode: DecodeConfig = DEFAULT_DECODE, verify=None) -> torch.Tensor:
+                  decode: DecodeConfig = DEFAULT_DECODE, verify=None, check_row=None) -> torch.Tensor:
     """Generation on relay_hf's loop.
 
     Args:
@@ -118,6 +134,8 @@ def fast_generate(model, ids: torch.Tensor, mask: torch.Tensor, stock_ids: torch
         verify: called once the prefill is launched and before anything is drawn or shown (the first token drawn,
             the streamer's first put): the check of a kept prefix the cache holds, read then (it raises to throw
             the call's work away); ``None``: nothing to read.
+        check_row: a ``check_row.CheckRow`` the prefill runs in row ``R`` (the slot has more rows; its padding
+            there is the check row's), or ``None``.
 
     Prefills the rows' own tokens (the prefix is never recomputed), then decodes. Returns ``[R, T + n]`` int64
     sequences in relay layout, ``n`` as stock generate gives it (``n_new``, or fewer when every row has finished).
@@ -129,7 +147,7 @@ def fast_generate(model, ids: torch.Tensor, mask: torch.Tensor, stock_ids: torch
     made = made_step(slot, Rb, compile_config, decode)
     if made is None:
         slot.stepper = None  # a step for other settings: its graphs freed before the prefill records
-    logits, last, pos = _prefill(model, slot, ids, mask, Rb, decode, made)
+    logits, last, pos = _prefill(model, slot, ids, mask, Rb, decode, made, check_row)
     with optimized_for_decode(model):  # as stock's decode steps run (an MoE's experts: batched, capturable)
         step = made if made is not None else step_for(model, slot, Rb, compile_config, decode)
         choice = step.choice_for(R, cache.layers[0].max_suffix_length, logits.shape[-1], sampler)

@@ -242,7 +242,7 @@ def _partial(model, memo: dict) -> torch.Tensor:
     return memo["partial"]
 
 
-def _equal(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor | bool:
+def equal_on_device(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor | bool:
     """``torch.equal(a, b)`` left on ``a``'s device (a 0-dim bool tensor, nothing read back), or a ``bool`` where the
     host knows the answer (shapes or dtypes differ; nothing to compare)."""
     if a.shape != b.shape or a.dtype != b.dtype:
@@ -260,6 +260,8 @@ class SegmentCheck(NamedTuple):
         partial: ``[m]`` int64 ``bit_sums(partial_reach(model))``.
         replay: how a hit recomputes ``head`` (``_Replay``: a CUDA graph on CUDA).
         own: ``[n]`` int64 the segment's own token ids on the model's device (what ``_embedded`` reads on a hit).
+        rows: what ``head`` gave as a check row of a recorded prefill, by graph (``check_row.CheckRow.keep``; not
+            counted in the store's budget: a few of the head's size).
     """
 
     head: torch.Tensor
@@ -267,6 +269,7 @@ class SegmentCheck(NamedTuple):
     partial: torch.Tensor
     replay: _Replay
     own: torch.Tensor
+    rows: dict
 
     @classmethod
     @torch.no_grad()
@@ -281,7 +284,7 @@ class SegmentCheck(NamedTuple):
             replay = _Replay()
             memo[key] = replay(model, head).clone(), replay
         own = own_ids.to(model.device, torch.int64)
-        return cls(memo[key][0], _embedded(model, own), _partial(model, memo), memo[key][1], own)
+        return cls(memo[key][0], _embedded(model, own), _partial(model, memo), memo[key][1], own, {})
 
     @torch.no_grad()
     def verdict(self, model, full_ids: torch.Tensor, memo: dict | None = None) -> torch.Tensor | bool | _Answer:
@@ -289,21 +292,30 @@ class SegmentCheck(NamedTuple):
         tensor on the model's device, or an ``_Answer`` queued on the check's own stream (a captured check), or a
         ``bool`` the host already knows. Nothing here waits for the device, and the caller's stream does not wait for
         the check, so a caller can launch more work (its prefill) before it reads the answer (``bool()``). A check
-        ``launch``ed earlier in the call (``memo["launched"]``) is compared, not run again."""
+        ``launch``ed earlier in the call (``memo["launched"]``) is compared, not run again. Where the call runs a
+        check row (``memo["check_row"]``, a ``check_row.CheckRow``), the head is left to it: its verdict (read with
+        ``bool()`` once the call's prefill is launched) compares that row, or a launched head records it."""
         memo = {} if memo is None else memo
         launched = memo.get("launched", {}).get(id(self.replay))  # by ``launch``, earlier in the call
-        head = self.replay.run(model, full_ids[:CHECK_TOKENS]) if launched is None else launched[1]
+        row = memo.get("check_row")
+        head = None
+        if row is None or launched is not None:
+            head = self.replay.run(model, full_ids[:CHECK_TOKENS]) if launched is None else launched[1]
         with self.replay.on_stream(model, reads=(self.head, self.embedded, self.partial, self.own)):
             partial = _partial(model, memo)  # here, or earlier in the call, on this stream or the caller's (waited for)
             if partial.is_cuda:
                 partial.record_stream(torch.cuda.current_stream())
-            pairs = [(self.head, head), (self.embedded, _embedded(model, self.own)), (self.partial, partial)]
-            found = [f for f in (_equal(a, b) for a, b in pairs) if f is not True]
+            pairs = [(self.embedded, _embedded(model, self.own)), (self.partial, partial)]
+            pairs += [] if head is None else [(self.head, head)]
+            found = [f for f in (equal_on_device(a, b) for a, b in pairs) if f is not True]
             known = False if any(f is False for f in found) else True if not found else None
             if known is None:
-                return self.replay.answer(torch.stack([f.to(found[0].device) for f in found]).all())
+                answer = self.replay.answer(torch.stack([f.to(found[0].device) for f in found]).all())
+                return answer if row is None else row.verdict(self, full_ids, answer, memo, head is not None)
         self.replay.join(model)  # known on the host: the caller's stream goes on after what the check queued (the
-        return known             # entry may be dropped now, its graph with it)
+        if row is None or known is False:  # entry may be dropped now, its graph with it)
+            return known
+        return row.verdict(self, full_ids, known, memo, head is not None)
 
     def launch(self, model) -> dict | None:
         """This check's forward launched now, before the call walks the model, where it can be (``_Replay.launch``):
@@ -311,8 +323,10 @@ class SegmentCheck(NamedTuple):
         verdict runs the forward as it is now); ``None`` where its graph cannot be replayed now: a parameter or
         buffer it read is no longer allocated where it was (``allocated``), so the model changed, and the call's walk
         must drop the entry before its verdict is asked for (``dependencies.kv_dependencies``). The replay is held
-        with its output, so its graph outlives the launch."""
-        if self.replay.graph is None:
+        with its output, so its graph outlives the launch. ``{}`` too where the check has a check row's reference
+        (``rows``): a call that runs one compares that row instead (``check_row.py``), and one that does not runs
+        the forward at its verdict."""
+        if self.replay.graph is None or self.rows:
             return {}
         head = self.replay.launch(model)
         return None if head is None else {id(self.replay): (self.replay, head)}

@@ -31,6 +31,7 @@ from transformers.generation.streamers import BaseStreamer
 
 from ._compat import cache_kwarg_name, output_cache
 from .cache import RelayCache
+from .check_row import CheckRow
 from .decode import fast_generate
 from .kept import count_kept, join_checks, kept_caches, launch_checks, tree_keys
 from .policy import CACHE_NAMES, NOT_PATCHED, RelayDecision, Route, RouteChanged, confirm_walk, decide
@@ -207,6 +208,8 @@ def _run_kept(model, stock, call: dict, route: Route, layout, store, sampler, la
     left to be overwritten, and nothing reached the caller, its counters or its streamer; ``RouteChanged`` the same
     way when the walk found the model changed (the checks' verdicts are then not read: ``PrefixStore.abandon``)."""
     pending, walked = [], []
+    # the checks' head run in a spare row of the call's prefill, where the route has one (``check_row.py``)
+    row = CheckRow(model, store, route.prefix_length) if route.check_row else None
 
     def confirm():
         if not walked:
@@ -222,8 +225,8 @@ def _run_kept(model, stock, call: dict, route: Route, layout, store, sampler, la
         store.settle(pending)
 
     try:
-        (base,), _ = kept_caches(model, [route.grouping.tree], store, route.depends, pending, launched)
-        out = _run_relay_on(model, stock, call, route, layout, base, base.kept_tokens, sampler, settle)
+        (base,), _ = kept_caches(model, [route.grouping.tree], store, route.depends, pending, launched, row)
+        out = _run_relay_on(model, stock, call, route, layout, base, base.kept_tokens, sampler, settle, row)
         settle()  # (read by the loop already)
     except RouteChanged:  # (found by the walk, or by the slot before anything was launched)
         store.abandon(pending)
@@ -239,13 +242,16 @@ def _run_kept(model, stock, call: dict, route: Route, layout, store, sampler, la
 
 
 def _run_relay_on(model, stock, call: dict, route: Route, layout, base: RelayCache, kept: int, sampler=None,
-                  verify=None):
+                  verify=None, check_row: CheckRow | None = None):
     """The relay call on ``base``, the prefix cache (``kept``: its tokens taken from the store). Returns the output,
     ``kept`` and, on relay_hf's loop, how its step ran in the end (``DecodeStep.kind``), else ``None``. ``sampler``:
     relay_hf's loop's (``sampling.loop_sampler``); ``verify``: what the loop calls before anything of the call is
-    shown or drawn (``decode.fast_generate``)."""
+    shown or drawn (``decode.fast_generate``); ``check_row``: what the prefill runs in row ``R`` (``Route.check_row``:
+    the slot has a spare row)."""
     per_input = route.rows // route.ids.shape[0]  # beams / return sequences
     pads = layout.suffix_padding.to(torch.int32).repeat_interleave(per_input)  # [R]
+    if check_row is not None:  # [R + 1]
+        pads = torch.cat([pads, pads.new_full((1,), check_row.pads(layout.columns - layout.prefix_columns))])
     paths = [p for p in route.grouping.paths for _ in range(per_input)] if route.grouped else None
     slot = _static_slot(model, base, route, pads, paths) if route.static else None
     if slot is None:
@@ -264,7 +270,7 @@ def _run_relay_on(model, stock, call: dict, route: Route, layout, base: RelayCac
                 out = fast_generate(model, layout.ids, layout.mask, route.ids, slot, sampler,
                                     None if streamer is None else _StreamerView(streamer, layout),
                                     route.compile_config, route.new_tokens, rows_per_input=per_input, stop=stop,
-                                    verify=verify)
+                                    verify=verify, check_row=check_row)
             step_kind = slot.stepper.kind  # after the call: a compile or capture that failed moved it down
             return layout.to_stock(out), kept, step_kind
         call = {k: v for k, v in call.items() if k not in ("inputs", "input_ids", *CACHE_NAMES)}

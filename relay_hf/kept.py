@@ -65,16 +65,18 @@ def join_checks(model) -> None:
 
 
 def kept_caches(model, trees: list[PrefixTree], store: PrefixStore | None, depends: object,
-                pending: list | None = None, launched: dict | None = None) -> tuple[list[RelayCache], list[PrefixKey]]:
+                pending: list | None = None, launched: dict | None = None,
+                check_row=None) -> tuple[list[RelayCache], list[PrefixKey]]:
     """One ``RelayCache`` per tree, taken from ``store`` where kept (``prefix_store``'s answer; ``None``: prefilled,
     nothing kept), a prefix hit counted per tree that took kept tokens (``count_kept``); then the least recently used
     entries are dropped down to the store's budget, the trees' own segments excepted. Returns the caches and those
     segments' keys (for the call to hold while it runs). ``pending`` (a list): the kept segments' checks are left
     unread there (``prefill.prefill_tree``) and no hit is counted: the caller reads them (``PrefixStore.settle``),
-    then counts. ``launched``: checks the call launched early (``launch_checks``)."""
+    then counts. ``launched``: checks the call launched early (``launch_checks``); ``check_row``: the
+    ``check_row.CheckRow`` of a call of one tree whose prefill computes the checks' head."""
     caches, keys = [], []
     for tree in trees:
-        caches.append(RelayCache.from_tree(model, tree, store, depends, pending, launched))
+        caches.append(RelayCache.from_tree(model, tree, store, depends, pending, launched, check_row))
         keys += tree_keys(tree)
     if pending is None:
         count_kept(model, caches)

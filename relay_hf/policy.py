@@ -131,6 +131,9 @@ class Route:
             decided again where the model changed (``RouteChanged``). A call on relay_hf's loop whose every prefix
             segment is kept (a chat turn under a kept prompt): its first token does not wait for the walk
             (docs/performance.md, the chat turn).
+        check_row: the kept prefix's check runs as row ``rows`` of the call's recorded prefill
+            (``check_row.py``): relay_hf's loop on CUDA, every segment kept, a recorded length, a spare row
+            (``DecodeConfig.check_row_bucket``, in ``static_rows``).
     """
 
     relay: bool
@@ -146,6 +149,7 @@ class Route:
     static_capacity: int = 0
     static_rows: int = 0
     suffix_columns: int = 0
+    check_row: bool = False
     ids: torch.Tensor | None = field(default=None, repr=False)
     mask: torch.Tensor | None = field(default=None, repr=False)
     n_pad: torch.Tensor | None = field(default=None, repr=False)
@@ -468,15 +472,23 @@ def _decide(model, call: dict, before_walk: Callable[[Grouping], bool] | None, d
     depends = walked if keeps else None
     static, compiled = static_shape(model, gen, cache, grouping, fast, walked)
     capacity = suffix = 0
+    static_rows, check_row = DEFAULT_DECODE.bucket(rows) if fast else rows, False
     if static:  # rounded up so similar calls reuse one captured step
         suffix = max(T - int(n) - p for n, p in zip(n_pad.tolist(), prefix_lengths))
         if captured and grouping.single:  # laid out at a recorded prefill's length
-            suffix = recorded_length(model, DEFAULT_DECODE.bucket(rows), suffix) or suffix
+            # with a spare row for the kept prefix's check where there is one (``check_row.py``)
+            spare = DEFAULT_DECODE.check_row_bucket(rows) if kept_whole else None
+            length = None if spare is None else recorded_length(model, spare, suffix)
+            if length is not None:
+                static_rows, check_row = spare, True
+            else:
+                length = recorded_length(model, static_rows, suffix)
+            suffix = length or suffix
         capacity = -(-(suffix + n_new) // STATIC_ROUNDING) * STATIC_ROUNDING
     return Route(True, "relay", rows=rows, prefix_length=P, static=static, fast_decode=fast,
                  loop_reason="relay_hf decode loop" if fast else loop_why,
                  decode_step=decode_step(model, gen, fast, compiled), new_tokens=n_new, static_capacity=capacity,
-                 static_rows=DEFAULT_DECODE.bucket(rows) if fast else rows, suffix_columns=suffix, ids=ids, mask=mask,
+                 static_rows=static_rows, suffix_columns=suffix, check_row=check_row, ids=ids, mask=mask,
                  n_pad=n_pad, user_cache=cache, grouping=grouping, gen=gen, compile_config=compiled,
                  processors=processors, depends=depends, structure=walked.structure if fast else None,
                  deferred_walk=latest is not None)

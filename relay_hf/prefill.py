@@ -84,7 +84,7 @@ def segment_nbytes(kept: KeptSegment) -> int:
 
 @torch.no_grad()
 def prefill_tree(model, tree: PrefixTree, store=None, depends=None, pending: list | None = None,
-                 launched: dict | None = None) -> Prefilled:
+                 launched: dict | None = None, check_row=None) -> Prefilled:
     """Prefill the segments of ``tree`` (roots at position 0, each child after its parent's KV) at batch 1.
 
     ``store`` (a ``store.PrefixStore`` of ``KeptSegment``s, with the model's ``kv_dependencies`` as ``depends``):
@@ -94,7 +94,8 @@ def prefill_tree(model, tree: PrefixTree, store=None, depends=None, pending: lis
     (``SegmentCheck.verdict``): its verdict goes there for the caller to read (``PrefixStore.settle``) once it has
     launched its own work; read here before any segment is prefilled (none is built on a stale one's KV).
     ``launched``: checks' forwards the call launched before it walked the model (``kept.launch_checks``), which
-    their verdicts read instead of running them again.
+    their verdicts read instead of running them again. ``check_row``: a ``check_row.CheckRow`` the call's prefill
+    runs, to which the pending verdicts leave their head (``SegmentCheck.verdict``).
     """
     text_config = model.config.get_text_config(decoder=True)
     max_pos = getattr(text_config, "max_position_embeddings", None)
@@ -116,7 +117,8 @@ def prefill_tree(model, tree: PrefixTree, store=None, depends=None, pending: lis
         return [(k[:, :, skip:].contiguous(), v[:, :, skip:].contiguous()) for k, v in _kv(scratch)]
 
     # the checks' values through the model as it is now, shared by this call's segments
-    memo: dict = {"partial_params": getattr(depends, "partial", None), "launched": launched or {}}
+    memo: dict = {"partial_params": getattr(depends, "partial", None), "launched": launched or {},
+                  "check_row": check_row if pending is not None else None}
 
     def build(j: int) -> KeptSegment:
         if pending:  # a kept segment not known fresh yet: StaleKept before anything is built on its KV

@@ -65,6 +65,10 @@ class DecodeConfig:
             compiled and captured (``DecodeStep.prefill_runner``): at 64 rows x 64 tokens the eager forward's
             elementwise kernels are a fifth of the prefill's device time, and inductor fuses them
             (docs/performance.md, the chat turn).
+        check_row_rows: the most rows a call grows to for a spare row in which its prefill runs its kept prefix's
+            check (``check_row.py``): a one-row turn runs at two, whose prefill and step read the weights once as
+            one row's do; a full bucket keeps its size (at 64 rows the prefill is compute-bound, and the standalone
+            check overlaps it).
     """
 
     chunk: int = 16
@@ -75,6 +79,7 @@ class DecodeConfig:
     prefill_lengths: tuple[int, ...] = (16, 32, 48, 64, 96, 128, 192, 256)
     prefill_tokens: int = 4096
     compiled_prefill: bool = True
+    check_row_rows: int = 2
 
     def prefill_length(self, rows: int, suffix: int) -> int | None:
         """The recorded suffix length that serves a prefill of ``suffix`` own tokens at ``rows`` rows (a bucket), or
@@ -83,6 +88,15 @@ class DecodeConfig:
             if suffix <= length:
                 return length if rows * length <= self.prefill_tokens else None
         return None
+
+    def check_row_bucket(self, rows: int) -> int | None:
+        """The rows a call of ``rows`` rows runs at to give its prefill a spare row for a check row: its bucket where
+        that has one, else the next bucket while within ``check_row_rows``; ``None``: no spare row."""
+        bucket = self.bucket(rows)
+        if bucket > rows:
+            return bucket
+        grown = self.bucket(rows + 1)
+        return grown if grown <= self.check_row_rows else None
 
     def bucket(self, rows: int) -> int:
         """The capture size that serves ``rows`` rows."""

@@ -267,6 +267,11 @@ class PrefixStore(BudgetStore):
                     launched.update(launch(entry[0]))
         return launched
 
+    def checking(self):
+        """The lock under which ``get`` and ``launch`` run a check: held by a check run apart from them
+        (``check_row.CheckRow.holds``), so one thread at a time replays a check's graph."""
+        return self._lock
+
     def settle(self, pending: list) -> None:
         """Read the verdicts ``get`` left in ``pending`` (the host waits for the device once), and empty it. An entry
         whose check failed is dropped as ``get`` drops a stale one, its hit uncounted, then ``StaleKept``."""

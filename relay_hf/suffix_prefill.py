@@ -46,10 +46,11 @@ def prefill_logits(model, name: str, cache, ids: torch.Tensor, pos: torch.Tensor
     return model(input_ids=ids, position_ids=pos, use_cache=True, logits_to_keep=1, **{name: cache}).logits[:, -1, :]
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, eq=False, slots=True, weakref_slot=True)
 class _Graph:
     """One length's recorded prefill: its inputs ``ids`` / ``pos`` ``[Rb, L]`` int64 and its output ``logits``
-    ``[Rb, V]``, the buffers every replay reads and writes."""
+    ``[Rb, V]``, the buffers every replay reads and writes. Compared by identity, weakly referable: a kept check's
+    reference row is kept per graph (``check_row.CheckRow.keep``)."""
 
     graph: torch.cuda.CUDAGraph
     ids: torch.Tensor
@@ -90,11 +91,8 @@ class SuffixPrefill:
         """The last logits ``[Rb, V]`` of ``ids`` / ``pos`` ``[Rb, L]`` prefilled into ``cache`` (CUDA, its suffix
         empty). ``step``: the ``step.DecodeStep`` on ``cache`` an earlier call made, or ``None``. A replay's logits
         are the graph's own buffer: read them before the next prefill of this length."""
-        from .kernels.config import active_config
-
         runner = None if step is None else step.prefill_runner
-        # the recorded launches follow the kernel configuration in force, and the compile settings they ran under
-        key = ids.shape, active_config(), None if runner is None else step.compile_settings
+        key = self._key(ids, step, runner)
         entry = self.graphs.get(key)
         if entry is None and runner is not None:
             logits = self._first_compiled(model, runner, cache, ids, pos, key, step)
@@ -110,6 +108,20 @@ class SuffixPrefill:
         entry.pos.copy_(pos)
         entry.graph.replay()
         return entry.logits
+
+    def replays(self, ids: torch.Tensor, step=None) -> _Graph | None:
+        """The recorded graph a prefill of ``ids`` through ``step`` (as ``__call__`` takes them) replays, or ``None``
+        where it runs otherwise (its first run at this shape, eager ops)."""
+        entry = self.graphs.get(self._key(ids, step, None if step is None else step.prefill_runner))
+        return entry if entry.__class__ is _Graph else None
+
+    @staticmethod
+    def _key(ids: torch.Tensor, step, runner) -> tuple:
+        """Where a prefill of ``ids`` is recorded: its shape, and the kernel configuration in force and the compile
+        settings its launches ran under (``None``: the eager forward's graph)."""
+        from .kernels.config import active_config
+
+        return ids.shape, active_config(), None if runner is None else step.compile_settings
 
     def _first_compiled(self, model, runner, cache, ids: torch.Tensor, pos: torch.Tensor, key: tuple,
                         step) -> torch.Tensor | None:

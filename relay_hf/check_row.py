@@ -1,0 +1,123 @@
+"""A kept prefix's check run as one more row of the call's recorded suffix prefill (``CheckRow``), so a chat turn
+reads the model's weights once, not twice.
+
+Why: on a hit, a kept segment's check recomputes the first ``CHECK_TOKENS`` tokens of its prefix through every layer
+(``freshness.SegmentCheck``), a forward that reads every weight, as the turn's own prefill does; a short turn on a GPU
+is bound by those reads (docs/performance.md, the chat turn). Here the check's tokens ride in a spare row of the
+prefill (the bucket's, or a one-row turn laid out at two rows: ``DecodeConfig.check_row_bucket``), after the kept
+prefix like every row, and that row's keys and values at every layer are compared bit for bit with what the same
+recorded graph gave when the standalone check last held for the entry.
+
+Why that is exact: the row's keys and values are a function of the kept prefix's KV, the row's tokens and the
+model's parameters, computed by the same recorded kernels at the same shapes (no kernel mixes rows: each row's
+matrix products, norms and attention read that row alone), so an unchanged model gives the same bits, and a row
+equal to its reference means the parameters it passed through gave what they gave under a model the standalone
+check passed. Where the graph has no reference yet, or the row differs, the standalone check decides
+(``SegmentCheck.holds``) and a pass records the row as the graph's reference: a mismatch costs one standalone check,
+never a wrong answer. What a change must alter to be seen is what the standalone check needs (docs/api.md, "Kept
+prefixes"): the tokens' KV at some layer.
+"""
+
+from __future__ import annotations
+
+import weakref
+
+import torch
+
+from .freshness import CHECK_TOKENS, SegmentCheck, equal_on_device
+
+
+class CheckRow:
+    """One call's check row: its tokens, and the keys and values the call's prefill gave them.
+
+    Attributes:
+        n: the row's own tokens: the first ``min(CHECK_TOKENS, P)`` tokens of the kept prefix (``P`` tokens), those
+            every kept segment's check recomputes.
+        graph: the recorded prefill (``suffix_prefill._Graph``) that computed ``kv``, or ``None``.
+        kv: ``[layers * 2 * H_kv * n * D]`` the row's keys and values at every layer, flattened, as that replay
+            wrote them into the static cache; ``None`` where the call's prefill did not replay a recorded graph (its
+            first run at a length, a prefill left eager): then every segment's standalone check decides.
+    """
+
+    def __init__(self, model, store, prefix_length: int):
+        self.model, self.store = model, store
+        self.n = min(CHECK_TOKENS, prefix_length)
+        self.graph = self.kv = None
+
+    def pads(self, suffix: int) -> int:
+        """The row's left padding in a prefill of ``suffix`` own tokens per row."""
+        return suffix - self.n
+
+    def lay_out(self, ids: torch.Tensor, mask: torch.Tensor, prefix: int) -> None:
+        """Write the row over ``ids`` / ``mask`` (``[T]`` int64, a row of the call's relay layout whose first
+        ``prefix`` columns are the kept prefix), on their device (nothing copied from the host, so nothing waits):
+        masked padding (the prefix's first token, so the row's every input is fixed), then the prefix's first ``n``
+        tokens."""
+        ids[prefix:] = ids[:1].expand(ids.shape[0] - prefix)
+        ids[-self.n:] = ids[:self.n]
+        mask[prefix:] = 0
+        mask[-self.n:] = 1
+
+    def supply(self, graph, cache, row: int, suffix: int) -> None:
+        """Take the row's keys and values from ``cache`` (the static ``RelayCache`` the recorded ``graph`` just
+        prefilled, ``suffix`` own positions per row, the check row at ``row``): queued after the replay on the
+        caller's stream, nothing read back."""
+        n = self.n
+        parts = [t[row, :, suffix - n:suffix].reshape(-1) for layer in cache.layers for t in (layer.keys,
+                                                                                                layer.values)]
+        self.graph, self.kv = graph, torch.cat(parts)
+
+    def verdict(self, check: SegmentCheck, full_ids: torch.Tensor, rest, memo: dict, standalone: bool) -> _Verdict:
+        """``check``'s verdict with its head left to this row: ``rest`` is what the check compared without it
+        (embeddings, partial sums; a ``bool`` or a device verdict), or with it where ``standalone`` (the head was
+        launched before the call walked the model: ``kept.launch_checks``); a pass then records this row as the
+        graph's reference."""
+        return _Verdict(self, check, full_ids, rest, memo, standalone)
+
+    def holds(self, check: SegmentCheck, full_ids: torch.Tensor, memo: dict) -> bool:
+        """Whether the row equals ``check``'s reference for the graph that computed it (read now: the host waits
+        for the prefill), else whether the standalone check holds; a pass then records the row."""
+        if self.kv is not None:
+            reference = _reference(check, self.graph)
+            if reference is not None and bool(equal_on_device(reference, self.kv)):
+                return True
+        with self.store.checking():  # one thread at a time replays a check's graph
+            held = check.verdict(self.model, full_ids, {**memo, "check_row": None})
+        held = bool(held)
+        if held:
+            self.keep(check)
+        return held
+
+    def keep(self, check: SegmentCheck) -> None:
+        """Record the row as ``check``'s reference for its graph (nothing where the prefill replayed none); the
+        references of graphs since freed go."""
+        if self.kv is None:
+            return
+        references = check.rows
+        for key in [k for k, (graph, _) in list(references.items()) if graph() is None]:
+            references.pop(key, None)
+        references[id(self.graph)] = (weakref.ref(self.graph), self.kv)
+
+
+def _reference(check: SegmentCheck, graph) -> torch.Tensor | None:
+    """``check``'s reference row for ``graph`` (``CheckRow.keep``), or ``None``."""
+    entry = check.rows.get(id(graph))
+    return entry[1] if entry is not None and entry[0]() is graph else None
+
+
+class _Verdict:
+    """A kept segment's verdict whose head is the call's check row: ``bool()`` reads it once the call's prefill is
+    launched (``PrefixStore.settle``)."""
+
+    def __init__(self, row: CheckRow, check: SegmentCheck, full_ids: torch.Tensor, rest, memo: dict,
+                 standalone: bool):
+        self.row, self.check, self.full_ids, self.rest, self.memo = row, check, full_ids, rest, memo
+        self.standalone = standalone
+
+    def __bool__(self) -> bool:
+        if not bool(self.rest):
+            return False
+        if self.standalone:
+            self.row.keep(self.check)
+            return True
+        return self.row.holds(self.check, self.full_ids, self.memo)

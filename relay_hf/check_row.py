@@ -5,8 +5,9 @@ Why: on a hit, a kept segment's check recomputes the first ``CHECK_TOKENS`` toke
 (``freshness.SegmentCheck``), a forward that reads every weight, as the turn's own prefill does; a short turn on a GPU
 is bound by those reads (docs/performance.md, the chat turn). Here the check's tokens ride in a spare row of the
 prefill (the bucket's, or a one-row turn laid out at two rows: ``DecodeConfig.check_row_bucket``), after the kept
-prefix like every row, and that row's keys and values at every layer are compared bit for bit with what the same
-recorded graph gave when the standalone check last held for the entry.
+prefix like every row but at the positions where the standalone check computes them, and that row's keys and
+values at every layer are compared bit for bit with what the same recorded graph gave when the standalone check last
+held for the entry.
 
 Why that is exact: the row's keys and values are a function of the kept prefix's KV, the row's tokens and the
 model's parameters, computed by the same recorded kernels at the same shapes (no kernel mixes rows: each row's
@@ -14,8 +15,9 @@ matrix products, norms and attention read that row alone), so an unchanged model
 equal to its reference means the parameters it passed through gave what they gave under a model the standalone
 check passed. Where the graph has no reference yet, or the row differs, the standalone check decides
 (``SegmentCheck.holds``) and a pass records the row as the graph's reference: a mismatch costs one standalone check,
-never a wrong answer. What a change must alter to be seen is what the standalone check needs (docs/api.md, "Kept
-prefixes"): the tokens' KV at some layer.
+never a wrong answer. A change is seen where it alters the row's KV at some layer; the standalone check's tokens
+attend to nothing before them, the row's to the kept prefix too, so a change can show in one and not the other
+(docs/api.md, "Kept prefixes").
 """
 
 from __future__ import annotations
@@ -48,15 +50,17 @@ class CheckRow:
         """The row's left padding in a prefill of ``suffix`` own tokens per row."""
         return suffix - self.n
 
-    def lay_out(self, ids: torch.Tensor, mask: torch.Tensor, prefix: int) -> None:
-        """Write the row over ``ids`` / ``mask`` (``[T]`` int64, a row of the call's relay layout whose first
-        ``prefix`` columns are the kept prefix), on their device (nothing copied from the host, so nothing waits):
-        masked padding (the prefix's first token, so the row's every input is fixed), then the prefix's first ``n``
-        tokens."""
+    def lay_out(self, ids: torch.Tensor, pos: torch.Tensor, prefix: int) -> None:
+        """Write the row over ``ids`` / ``pos`` (``[T]`` int64 each, a row of the call's relay layout and its
+        positions, the first ``prefix`` columns the kept prefix), on their device (nothing copied from the host, so
+        nothing waits): padding (the prefix's first token at position 0, masked by the slot's ``pads``: every input
+        of the row is fixed), then the prefix's first ``n`` tokens at positions ``0 .. n - 1``, where the standalone
+        check computes them (a position table is read where it reads it)."""
+        n = self.n
         ids[prefix:] = ids[:1].expand(ids.shape[0] - prefix)
-        ids[-self.n:] = ids[:self.n]
-        mask[prefix:] = 0
-        mask[-self.n:] = 1
+        ids[-n:] = ids[:n]
+        pos[prefix:] = 0
+        pos[-n:] = torch.arange(n, device=pos.device)
 
     def supply(self, graph, cache, row: int, suffix: int) -> None:
         """Take the row's keys and values from ``cache`` (the static ``RelayCache`` the recorded ``graph`` just
@@ -94,13 +98,25 @@ class CheckRow:
         if self.kv is None:
             return
         references = check.rows
-        for key in [k for k, (graph, _) in list(references.items()) if graph() is None]:
-            references.pop(key, None)
+        _prune(references)
+        references.pop(id(self.graph), None)  # (its newest last)
+        while len(references) >= MAX_REFERENCES:
+            references.pop(next(iter(references)), None)
         references[id(self.graph)] = (weakref.ref(self.graph), self.kv)
+
+
+MAX_REFERENCES = 4  # reference rows a kept check holds at most (a slot's few recorded lengths), the oldest out first
+
+
+def _prune(references: dict) -> None:
+    """Drop the references of graphs since freed."""
+    for key in [k for k, (graph, _) in list(references.items()) if graph() is None]:
+        references.pop(key, None)
 
 
 def _reference(check: SegmentCheck, graph) -> torch.Tensor | None:
     """``check``'s reference row for ``graph`` (``CheckRow.keep``), or ``None``."""
+    _prune(check.rows)
     entry = check.rows.get(id(graph))
     return entry[1] if entry is not None and entry[0]() is graph else None
 

@@ -37,9 +37,9 @@ def _prefill(model, slot, ids: torch.Tensor, mask: torch.Tensor, rows: int, deco
     ids_b, mask_b = torch.cat([ids, ids[fill]]), torch.cat([mask, mask[fill]])
     cache = slot.cache
     P = cache.prefix_length
-    if check_row is not None:
-        check_row.lay_out(ids_b[R], mask_b[R], P)
     pos = (mask_b.long().cumsum(-1) - 1).masked_fill(mask_b == 0, 0)  # stock's positions: pads get 0
+    if check_row is not None:
+        check_row.lay_out(ids_b[R], pos[R], P)
     own_ids, own_pos, name = ids_b[:, P:], pos[:, P:], cache_kwarg_name(model)
     L = own_ids.shape[1]
     if _recorded(model, ids_b, cache, decode):

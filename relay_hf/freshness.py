@@ -164,10 +164,15 @@ class _Replay:
             self.graph.replay()
         return self.kv
 
+    def launchable(self) -> bool:
+        """Whether the replay can be launched before the walk: captured, and every tensor it read still allocated
+        where it was (``allocated``)."""
+        return self.graph is not None and self.reads is not None and allocated(self.reads)
+
     def launch(self, model) -> torch.Tensor | None:
-        """The replay's output, launched now and not read, or ``None`` where it cannot be launched before the walk:
-        not captured (yet, or ever), or a tensor it read is gone or moved (``allocated``)."""
-        if self.graph is None or self.reads is None or not allocated(self.reads):
+        """The replay's output, launched now and not read, or ``None`` where it cannot be launched before the walk
+        (``launchable``)."""
+        if not self.launchable():
             return None
         with self.on_stream(model):
             self.graph.replay()
@@ -260,8 +265,9 @@ class SegmentCheck(NamedTuple):
         partial: ``[m]`` int64 ``bit_sums(partial_reach(model))``.
         replay: how a hit recomputes ``head`` (``_Replay``: a CUDA graph on CUDA).
         own: ``[n]`` int64 the segment's own token ids on the model's device (what ``_embedded`` reads on a hit).
-        rows: what ``head`` gave as a check row of a recorded prefill, by graph (``check_row.CheckRow.keep``; not
-            counted in the store's budget: a few of the head's size).
+        rows: what ``head``'s tokens gave as a check row of a recorded prefill, by graph
+            (``check_row.CheckRow.keep``): at most ``check_row.MAX_REFERENCES``, each of the head's size, not counted
+            in the store's budget.
     """
 
     head: torch.Tensor
@@ -317,17 +323,19 @@ class SegmentCheck(NamedTuple):
             return known
         return row.verdict(self, full_ids, known, memo, head is not None)
 
-    def launch(self, model) -> dict | None:
+    def launch(self, model, check_row: bool = False) -> dict | None:
         """This check's forward launched now, before the call walks the model, where it can be (``_Replay.launch``):
         ``{id(replay): (replay, head)}`` for ``verdict``'s memo (``"launched"``); ``{}`` where it has no graph (its
         verdict runs the forward as it is now); ``None`` where its graph cannot be replayed now: a parameter or
         buffer it read is no longer allocated where it was (``allocated``), so the model changed, and the call's walk
         must drop the entry before its verdict is asked for (``dependencies.kv_dependencies``). The replay is held
-        with its output, so its graph outlives the launch. ``{}`` too where the check has a check row's reference
-        (``rows``): a call that runs one compares that row instead (``check_row.py``), and one that does not runs
-        the forward at its verdict."""
-        if self.replay.graph is None or self.rows:
+        with its output, so its graph outlives the launch. ``check_row``: the call may run a check row
+        (``check_row.py``); where this check has a reference row (``rows``), the forward is then not launched
+        (``{}``, where it could be): the row is compared instead."""
+        if self.replay.graph is None:
             return {}
+        if check_row and self.rows:
+            return {} if self.replay.launchable() else None
         head = self.replay.launch(model)
         return None if head is None else {id(self.replay): (self.replay, head)}
 

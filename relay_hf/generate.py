@@ -313,9 +313,9 @@ def _generate(model, args: tuple, kwargs: dict, launched: dict, started: list):
     stock = types.MethodType(type(model).generate, model)
     call = _bind(model, args, kwargs)
 
-    def before_walk(grouping) -> bool:
+    def before_walk(grouping, check_row: bool) -> bool:
         started.append(True)  # (before the launches: one that raises part way is joined too)
-        checks, whole = launch_checks(model, grouping.tree)
+        checks, whole = launch_checks(model, grouping.tree, check_row)
         launched.update(checks)
         return whole
 

@@ -34,7 +34,7 @@ def tree_keys(tree: PrefixTree) -> list[PrefixKey]:
     return [segment_key(tree, j) for j in range(len(tree.ids))]
 
 
-def launch_checks(model, tree: PrefixTree) -> tuple[dict, bool]:
+def launch_checks(model, tree: PrefixTree, check_row: bool = False) -> tuple[dict, bool]:
     """The checks of ``tree``'s segments kept in the model's prefix store, launched on the device now
     (``SegmentCheck.launch``): ``policy.decide`` calls for this before it walks the model, so the device runs them
     while the host walks (a chat turn's first token comes that much sooner: docs/performance.md, the chat turn).
@@ -42,12 +42,13 @@ def launch_checks(model, tree: PrefixTree) -> tuple[dict, bool]:
     be launched: off CUDA), and whether every segment is kept and no check recorded as a CUDA graph was refused its
     launch (a tensor it read is gone or moved: the model changed; the call then walks the model before it reads any
     verdict, and the walk drops the entry, its graph never replayed). What the call finds is unchanged: a segment the
-    walk finds stale is dropped, its launch thrown away."""
+    walk finds stale is dropped, its launch thrown away. ``check_row``: the call may run a check row
+    (``check_row.py``), so a check that has a reference row is not launched (``SegmentCheck.launch``)."""
     kept, refused = [], []
 
     def launch(value) -> dict:
         kept.append(value)
-        checks = value.check.launch(model) if isinstance(value, KeptSegment) else {}
+        checks = value.check.launch(model, check_row) if isinstance(value, KeptSegment) else {}
         if checks is None:
             refused.append(value)
             return {}

@@ -418,23 +418,25 @@ def user_cache(call: dict):
     return next((call[n] for n in CACHE_NAMES if call.get(n) is not None), None)
 
 
-def decide(model, call: dict, before_walk: Callable[[Grouping], bool] | None = None,
+def decide(model, call: dict, before_walk: Callable[[Grouping, bool], bool] | None = None,
            defer_walk: bool = False) -> Route:
     """The route of one patched ``generate`` call (``call``: its arguments by name). Raises ``ValueError`` for input
     stock would accept but that cannot be right (a ``RelayCache`` that does not fit the model or the rows).
-    ``before_walk(grouping)``: called once the call is known to run relay over ``grouping`` and read the prefix
-    store, before the model is walked (the caller launches the kept segments' checks there, so the device runs them
-    while the host walks); it answers whether every segment is kept and every check recorded as a CUDA graph could
-    be launched (none reads a tensor no longer where it was). ``defer_walk``: such a call on relay_hf's loop is then
-    routed under the model's latest walk, where the store's entries were built under it (``Route.deferred_walk``):
-    the caller owes ``confirm_walk`` before anything of the call is drawn or shown."""
+    ``before_walk(grouping, check_row)``: called once the call is known to run relay over ``grouping`` and read the
+    prefix store, before the model is walked (the caller launches the kept segments' checks there, so the device runs
+    them while the host walks; ``check_row``: the call runs a check row where every segment is kept, so the checks with
+    a reference row need not be launched); it answers whether every segment is kept and every check recorded as a CUDA
+    graph could be launched (none reads a tensor no longer where it was). ``defer_walk``: such a call on relay_hf's loop
+    is then routed under the model's latest walk, where the store's entries were built under it
+    (``Route.deferred_walk``): the caller owes ``confirm_walk`` before anything of the call is drawn or shown."""
     try:
         return _decide(model, call, before_walk, defer_walk)
     except RunStock as why:
         return Route(False, str(why), expected=why.expected)
 
 
-def _decide(model, call: dict, before_walk: Callable[[Grouping], bool] | None, defer_walk: bool) -> Route:
+def _decide(model, call: dict, before_walk: Callable[[Grouping, bool], bool] | None,
+            defer_walk: bool) -> Route:
     eligible(model, call)
     gen = resolve(model, call)
     served_config(gen, call)
@@ -460,7 +462,11 @@ def _decide(model, call: dict, before_walk: Callable[[Grouping], bool] | None, d
     if why is not None:
         raise RunStock(why)
     keeps = cache is None and keeps_prefixes(model)
-    kept_whole = keeps and before_walk is not None and before_walk(grouping)
+    own = max(T - int(n) - p for n, p in zip(n_pad.tolist(), prefix_lengths))  # the longest row's own tokens
+    # a spare row for the kept prefix's check, where a recorded prefill can have one (``check_row.py``)
+    spare = DEFAULT_DECODE.check_row_bucket(rows) if keeps and captured and grouping.single else None
+    spare = spare if spare is not None and recorded_length(model, spare, own) is not None else None
+    kept_whole = keeps and before_walk is not None and before_walk(grouping, spare is not None)
     # the call's one walk of the model: what kept prefixes depend on, and the structure relay_hf's loop replays its
     # slot's recorded step and prefills under (``state.StaticSlot.made_under``); deferred where the loop confirms it
     # (``confirm_walk``) once the prefill is launched: the walk is a 32-layer model's 2-4 ms of host time
@@ -474,16 +480,11 @@ def _decide(model, call: dict, before_walk: Callable[[Grouping], bool] | None, d
     capacity = suffix = 0
     static_rows, check_row = DEFAULT_DECODE.bucket(rows) if fast else rows, False
     if static:  # rounded up so similar calls reuse one captured step
-        suffix = max(T - int(n) - p for n, p in zip(n_pad.tolist(), prefix_lengths))
+        suffix = own
+        if spare is not None and kept_whole:
+            static_rows, check_row = spare, True
         if captured and grouping.single:  # laid out at a recorded prefill's length
-            # with a spare row for the kept prefix's check where there is one (``check_row.py``)
-            spare = DEFAULT_DECODE.check_row_bucket(rows) if kept_whole else None
-            length = None if spare is None else recorded_length(model, spare, suffix)
-            if length is not None:
-                static_rows, check_row = spare, True
-            else:
-                length = recorded_length(model, static_rows, suffix)
-            suffix = length or suffix
+            suffix = recorded_length(model, static_rows, suffix) or suffix
         capacity = -(-(suffix + n_new) // STATIC_ROUNDING) * STATIC_ROUNDING
     return Route(True, "relay", rows=rows, prefix_length=P, static=static, fast_decode=fast,
                  loop_reason="relay_hf decode loop" if fast else loop_why,

@@ -46,7 +46,7 @@ def prefill_logits(model, name: str, cache, ids: torch.Tensor, pos: torch.Tensor
     return model(input_ids=ids, position_ids=pos, use_cache=True, logits_to_keep=1, **{name: cache}).logits[:, -1, :]
 
 
-@dataclass(frozen=True, eq=False, slots=True, weakref_slot=True)
+@dataclass(frozen=True, eq=False)
 class _Graph:
     """One length's recorded prefill: its inputs ``ids`` / ``pos`` ``[Rb, L]`` int64 and its output ``logits``
     ``[Rb, V]``, the buffers every replay reads and writes. Compared by identity, weakly referable: a kept check's

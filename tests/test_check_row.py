@@ -6,6 +6,7 @@ the eager forward, and on CUDA as ``patch`` runs it."""
 
 import copy
 import dataclasses
+import weakref
 
 import pytest
 import torch
@@ -13,8 +14,10 @@ import torch
 import relay_hf
 from relay_hf import decode as decode_module
 from relay_hf import generate as generate_module
-from relay_hf.check_row import CheckRow
-from relay_hf.freshness import CHECK_TOKENS, _Replay
+from relay_hf.check_row import MAX_REFERENCES, CheckRow
+from relay_hf.freshness import CHECK_TOKENS, _Replay, _where
+from relay_hf.kept import launch_checks
+from relay_hf.prefix import PrefixTree
 from relay_hf.state import relay_state
 from relay_hf.step import DEFAULT_DECODE, DecodeConfig
 from relay_hf.suffix_prefill import SuffixPrefill, prefill_logits
@@ -28,14 +31,15 @@ def test_a_spare_row_is_the_buckets_own_or_a_one_row_call_grown_to_two():
     assert DecodeConfig(check_row_rows=1).check_row_bucket(1) is None
 
 
-def test_the_row_is_masked_padding_then_the_prefixs_first_tokens():
-    ids, mask = torch.arange(100, 130), torch.ones(30, dtype=torch.long)
+def test_the_row_is_padding_then_the_prefixs_first_tokens_where_the_standalone_check_puts_them():
+    ids, pos = torch.arange(100, 130), torch.arange(30)
     row = CheckRow(None, None, prefix_length=20)
-    row.lay_out(ids, mask, 20)
+    row.lay_out(ids, pos, 20)
     assert row.n == CHECK_TOKENS and row.pads(10) == 10 - CHECK_TOKENS
     assert torch.equal(ids[:20], torch.arange(100, 120)) and torch.equal(ids[-CHECK_TOKENS:], torch.arange(100, 108))
     assert bool((ids[20:-CHECK_TOKENS] == 100).all())
-    assert mask[:20].all() and not mask[20:-CHECK_TOKENS].any() and mask[-CHECK_TOKENS:].all()
+    assert torch.equal(pos[:20], torch.arange(20)) and not pos[20:-CHECK_TOKENS].any()
+    assert torch.equal(pos[-CHECK_TOKENS:], torch.arange(CHECK_TOKENS))
     assert CheckRow(None, None, prefix_length=5).n == 5
 
 
@@ -136,10 +140,32 @@ def test_a_row_that_differs_from_its_reference_falls_back_to_the_standalone_chec
     assert torch.equal(check.rows[id(graph)][1], row.kv) and len(store) == 1
     del graph, row
     CheckRow(model, store, 40).keep(check)  # no row computed: nothing kept
-    other = CheckRow(model, store, 40)
-    other.graph, other.kv = _Graph(), torch.zeros(6)
-    other.keep(check)
-    assert list(check.rows) == [id(other.graph)]  # the freed graph's reference went
+    rows = [CheckRow(model, store, 40) for _ in range(MAX_REFERENCES + 1)]
+    for other in rows:
+        other.graph, other.kv = _Graph(), torch.zeros(6)
+        other.keep(check)
+    # the freed graph's reference went, and the oldest beyond the cap
+    assert list(check.rows) == [id(other.graph) for other in rows[1:]]
+
+
+def test_a_check_with_a_reference_row_is_left_to_the_row_but_refused_where_what_its_graph_read_moved():
+    """A call that may run a check row does not launch a check that has a reference row (``{}``), but where a
+    tensor its captured graph read is gone the launch is refused all the same (the call then walks the model before
+    any verdict, so a call left without a row never replays that graph on freed memory)."""
+    model, _, prompt, _ = _turns(seed=85)
+    relay_hf.patch(model)
+    relay_hf.pin(model, prompt)
+    (entry,) = relay_state(model).store.values()
+    check, tree = entry.check, PrefixTree.from_prefixes([prompt])
+    read = torch.zeros(3)
+    check.replay.graph, check.replay.reads = object(), ((weakref.ref(read), _where(read)),)  # "captured"
+    graph = _Graph()
+    check.rows[id(graph)] = (weakref.ref(graph), torch.zeros(1))
+    assert check.launch(model, check_row=True) == {} and launch_checks(model, tree, True) == ({}, True)
+    del read
+    assert check.launch(model, check_row=True) is None and launch_checks(model, tree, True) == ({}, False)
+    check.rows.clear()
+    assert check.launch(model, check_row=True) is None
 
 
 @pytest.mark.gpu

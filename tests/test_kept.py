@@ -69,7 +69,7 @@ def test_a_call_under_a_kept_prompt_launches_its_check_before_the_walk(monkeypat
     relay_hf.pin(model, prompt)
     events = []
     launch, walk = SegmentCheck.launch, policy.walk
-    monkeypatch.setattr(SegmentCheck, "launch", lambda self, m: events.append("launch") or launch(self, m))
+    monkeypatch.setattr(SegmentCheck, "launch", lambda self, m, row: events.append("launch") or launch(self, m, row))
     monkeypatch.setattr(policy, "walk", lambda m: events.append("walk") or walk(m))
     ids = torch.cat([prompt, torch.arange(40, 45)])[None]
     gen = dict(attention_mask=torch.ones_like(ids), max_new_tokens=2, do_sample=False)
@@ -154,8 +154,8 @@ def test_nothing_between_a_turns_launch_and_its_verdict_waits_for_the_device_on_
     assert torch.equal(model.generate(row, **gen), expected)  # the first turn records what later turns replay
     launch, settle, seen = generate.launch_checks, PrefixStore.settle, []
 
-    def launch_then_watch(m, tree):
-        launched = launch(m, tree)
+    def launch_then_watch(m, tree, check_row):
+        launched = launch(m, tree, check_row)
         seen.append(bool(launched))
         torch.cuda.set_sync_debug_mode("error")
         return launched

@@ -174,13 +174,14 @@ def test_a_turn_under_a_kept_prompt_walks_the_model_once_its_prefill_is_launched
     model, stock, row, gen = _turn_under_a_pinned_prompt()
     call = _call(row, gen["attention_mask"], max_new_tokens=4)
 
-    def launched(grouping):  # every kept check launched (or none recorded as a graph)
+    def launched(grouping, check_row):  # every kept check launched (or none recorded as a graph)
         return True
 
     route = decide(model, call, launched, defer_walk=True)
     assert route.deferred_walk and route.depends == kv_dependencies(model)
     assert not decide(model, call, launched).deferred_walk
-    assert not decide(model, call, lambda grouping: False, defer_walk=True).deferred_walk  # a check refused its launch
+    refused = lambda grouping, check_row: False  # noqa: E731 - a check refused its launch
+    assert not decide(model, call, refused, defer_walk=True).deferred_walk
     assert not decide(model, {**call, "num_beams": 2}, launched, defer_walk=True).deferred_walk  # transformers' loop
     events = []
     walk, prefill = policy.walk, decode._prefill

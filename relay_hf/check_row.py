@@ -71,16 +71,16 @@ class CheckRow:
                                                                                                 layer.values)]
         self.graph, self.kv = graph, torch.cat(parts)
 
-    def verdict(self, check: SegmentCheck, full_ids: torch.Tensor, rest, memo: dict, standalone: bool) -> _Verdict:
+    def verdict(self, check: SegmentCheck, full_ids: torch.Tensor, rest, memo: dict) -> _Verdict:
         """``check``'s verdict with its head left to this row: ``rest`` is what the check compared without it
-        (embeddings, partial sums; a ``bool`` or a device verdict), or with it where ``standalone`` (the head was
-        launched before the call walked the model: ``kept.launch_checks``); a pass then records this row as the
-        graph's reference."""
-        return _Verdict(self, check, full_ids, rest, memo, standalone)
+        (embeddings, partial sums; a ``bool`` or a device verdict); ``memo``: the call's (``SegmentCheck.verdict``)."""
+        return _Verdict(self, check, full_ids, rest, memo)
 
     def holds(self, check: SegmentCheck, full_ids: torch.Tensor, memo: dict) -> bool:
         """Whether the row equals ``check``'s reference for the graph that computed it (read now: the host waits
-        for the prefill), else whether the standalone check holds; a pass then records the row."""
+        for the prefill), else whether the standalone check holds; a pass then records the row. The standalone
+        check is queued after the prefill (``freshness.check_stream`` waits for the caller's stream), so a weight
+        written between the two fails it and no row computed under other weights than it passed is recorded."""
         if self.kv is not None:
             reference = _reference(check, self.graph)
             if reference is not None and bool(equal_on_device(reference, self.kv)):
@@ -125,15 +125,8 @@ class _Verdict:
     """A kept segment's verdict whose head is the call's check row: ``bool()`` reads it once the call's prefill is
     launched (``PrefixStore.settle``)."""
 
-    def __init__(self, row: CheckRow, check: SegmentCheck, full_ids: torch.Tensor, rest, memo: dict,
-                 standalone: bool):
+    def __init__(self, row: CheckRow, check: SegmentCheck, full_ids: torch.Tensor, rest, memo: dict):
         self.row, self.check, self.full_ids, self.rest, self.memo = row, check, full_ids, rest, memo
-        self.standalone = standalone
 
     def __bool__(self) -> bool:
-        if not bool(self.rest):
-            return False
-        if self.standalone:
-            self.row.keep(self.check)
-            return True
-        return self.row.holds(self.check, self.full_ids, self.memo)
+        return bool(self.rest) and self.row.holds(self.check, self.full_ids, self.memo)

@@ -299,13 +299,13 @@ class SegmentCheck(NamedTuple):
         ``bool`` the host already knows. Nothing here waits for the device, and the caller's stream does not wait for
         the check, so a caller can launch more work (its prefill) before it reads the answer (``bool()``). A check
         ``launch``ed earlier in the call (``memo["launched"]``) is compared, not run again. Where the call runs a
-        check row (``memo["check_row"]``, a ``check_row.CheckRow``), the head is left to it: its verdict (read with
-        ``bool()`` once the call's prefill is launched) compares that row, or a launched head records it."""
+        check row (``memo["check_row"]``, a ``check_row.CheckRow``) and launched none, the head is left to it: its
+        verdict (read with ``bool()`` once the call's prefill is launched) compares that row."""
         memo = {} if memo is None else memo
         launched = memo.get("launched", {}).get(id(self.replay))  # by ``launch``, earlier in the call
-        row = memo.get("check_row")
+        row = memo.get("check_row") if launched is None else None
         head = None
-        if row is None or launched is not None:
+        if row is None:
             head = self.replay.run(model, full_ids[:CHECK_TOKENS]) if launched is None else launched[1]
         with self.replay.on_stream(model, reads=(self.head, self.embedded, self.partial, self.own)):
             partial = _partial(model, memo)  # here, or earlier in the call, on this stream or the caller's (waited for)
@@ -317,11 +317,11 @@ class SegmentCheck(NamedTuple):
             known = False if any(f is False for f in found) else True if not found else None
             if known is None:
                 answer = self.replay.answer(torch.stack([f.to(found[0].device) for f in found]).all())
-                return answer if row is None else row.verdict(self, full_ids, answer, memo, head is not None)
+                return answer if row is None else row.verdict(self, full_ids, answer, memo)
         self.replay.join(model)  # known on the host: the caller's stream goes on after what the check queued (the
         if row is None or known is False:  # entry may be dropped now, its graph with it)
             return known
-        return row.verdict(self, full_ids, known, memo, head is not None)
+        return row.verdict(self, full_ids, known, memo)
 
     def launch(self, model, check_row: bool = False) -> dict | None:
         """This check's forward launched now, before the call walks the model, where it can be (``_Replay.launch``):
@@ -330,11 +330,12 @@ class SegmentCheck(NamedTuple):
         buffer it read is no longer allocated where it was (``allocated``), so the model changed, and the call's walk
         must drop the entry before its verdict is asked for (``dependencies.kv_dependencies``). The replay is held
         with its output, so its graph outlives the launch. ``check_row``: the call may run a check row
-        (``check_row.py``); where this check has a reference row (``rows``), the forward is then not launched
-        (``{}``, where it could be): the row is compared instead."""
+        (``check_row.py``): the forward is then not launched (``{}``, where it could be), since the row is compared
+        instead, or, where the check has no reference row for the call's graph, the forward runs after the call's
+        prefill, so the row it records is never older than the weights the check passed."""
         if self.replay.graph is None:
             return {}
-        if check_row and self.rows:
+        if check_row:
             return {} if self.replay.launchable() else None
         head = self.replay.launch(model)
         return None if head is None else {id(self.replay): (self.replay, head)}

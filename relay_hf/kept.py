@@ -43,7 +43,7 @@ def launch_checks(model, tree: PrefixTree, check_row: bool = False) -> tuple[dic
     launch (a tensor it read is gone or moved: the model changed; the call then walks the model before it reads any
     verdict, and the walk drops the entry, its graph never replayed). What the call finds is unchanged: a segment the
     walk finds stale is dropped, its launch thrown away. ``check_row``: the call may run a check row
-    (``check_row.py``), so a check that has a reference row is not launched (``SegmentCheck.launch``)."""
+    (``check_row.py``), so no check is launched, only refused where it could not be (``SegmentCheck.launch``)."""
     kept, refused = [], []
 
     def launch(value) -> dict:

@@ -88,13 +88,16 @@ def test_a_call_under_a_kept_prompt_launches_its_check_before_the_walk(monkeypat
 
 
 def _pinned_turn_on_cuda(seed: int, new_tokens: int):
-    """A patched tiny fp32 model on CUDA with a 40-token prompt pinned, an unpatched copy, a one-row turn under the
-    prompt (9 own tokens) and its greedy ``generate`` arguments."""
+    """A patched tiny fp32 model on CUDA with a 40-token prompt pinned, an unpatched copy, a two-row turn under the
+    prompt (9 own tokens each: a full bucket, so no check row, ``check_row.py``, and its checks are launched early)
+    and its greedy ``generate`` arguments."""
     model = tiny_model("llama").cuda()
     stock = copy.deepcopy(model)
     g = torch.Generator().manual_seed(seed)
     prompt = torch.randint(3, VOCAB, (40,), generator=g)
-    row = torch.cat([prompt, torch.randint(3, VOCAB, (9,), generator=g)])[None].cuda()
+    own = torch.randint(3, VOCAB, (2, 9), generator=g)
+    own[1, 0] = own[0, 0] % (VOCAB - 3) + 3  # the rows part after the prompt
+    row = torch.cat([prompt.expand(2, -1), own], 1).cuda()
     relay_hf.patch(model)
     relay_hf.pin(model, prompt)
     return model, stock, row, dict(attention_mask=torch.ones_like(row), max_new_tokens=new_tokens, do_sample=False)
@@ -102,7 +105,7 @@ def _pinned_turn_on_cuda(seed: int, new_tokens: int):
 
 @pytest.mark.gpu
 def test_a_turn_launches_its_kept_prompts_check_before_the_walk_on_gpu(monkeypatch):
-    """fp32 on CUDA: a one-row turn under a pinned prompt launches the prompt's check before the call walks the
+    """fp32 on CUDA: a two-row turn under a pinned prompt launches the prompt's check before the call walks the
     model, and the verdict reads that launch (the check's forward runs once a call); the tokens are stock's. After a
     write in place the launched check fails and the call runs again on the prompt prefilled anew; after a parameter
     is dropped nothing is launched (what the graph read is gone) and the walk drops the entry. Stock's tokens each

@@ -14,7 +14,8 @@ model's parameters, computed by the same recorded kernels at the same shapes (no
 matrix products, norms and attention read that row alone), so an unchanged model gives the same bits, and a row
 equal to its reference means the parameters it passed through gave what they gave under a model the standalone
 check passed. Where the graph has no reference yet, or the row differs, the standalone check decides
-(``SegmentCheck.holds``) and a pass records the row as the graph's reference: a mismatch costs one standalone check,
+(``SegmentCheck.holds``), queued after the prefill (a call that may run a check row launches none before it:
+``SegmentCheck.launch``), and a pass records the row as the graph's reference: a mismatch costs one standalone check,
 never a wrong answer. A change is seen where it alters the row's KV at some layer; the standalone check's tokens
 attend to nothing before them, the row's to the kept prefix too, so a change can show in one and not the other
 (docs/api.md, "Kept prefixes").

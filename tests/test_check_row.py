@@ -170,7 +170,8 @@ def test_a_call_that_may_run_a_check_row_launches_no_check_but_one_whose_graphs_
 def test_turns_check_their_prompt_in_the_recorded_prefills_spare_row_on_gpu(monkeypatch):
     """fp32 on CUDA as ``patch`` runs it: one-row turns under a pinned prompt run at two rows; once a recorded prefill
     has replayed under a passing check, later turns launch and run no check forward; a write in place is still found
-    (prefilled anew); a batch of three rows under the prompt uses its bucket's spare row; stock's tokens throughout."""
+    (prefilled anew); a batch of three rows under the prompt uses its bucket's spare row; stock's tokens throughout,
+    and a sampled turn's draws and generator too."""
     model, stock, prompt, turns = _turns(seed=83)
     model, stock = model.cuda(), stock.cuda()
     forwards = []
@@ -181,11 +182,15 @@ def test_turns_check_their_prompt_in_the_recorded_prefills_spare_row_on_gpu(monk
     relay_hf.pin(model, prompt)
     store = relay_state(model).store
 
-    def turn(row, kept):
+    def turn(row, kept, **sampling):
         row = row.cuda()
         forwards.clear()
-        gen = dict(attention_mask=torch.ones_like(row), max_new_tokens=5, do_sample=False)
-        assert torch.equal(model.generate(row, **gen), stock.generate(row, **gen))
+        gen = dict(attention_mask=torch.ones_like(row), max_new_tokens=5, **(sampling or dict(do_sample=False)))
+        torch.manual_seed(4)
+        out = model.generate(row, **gen)
+        draw = torch.rand(2, device="cuda")
+        torch.manual_seed(4)
+        assert torch.equal(out, stock.generate(row, **gen)) and torch.equal(draw, torch.rand(2, device="cuda"))
         assert model.relay_last_decision.prefix_kept == kept, model.relay_last_decision
         return list(forwards)
 
@@ -193,7 +198,7 @@ def test_turns_check_their_prompt_in_the_recorded_prefills_spare_row_on_gpu(monk
     assert turn(turns[1], 40)  # its first replay: standalone, the row kept
     (entry,) = store.values()
     assert entry.check.rows
-    assert turn(turns[2], 40) == [] and turn(turns[3], 40) == []
+    assert turn(turns[2], 40) == [] and turn(turns[3], 40, do_sample=True, top_k=20) == []
     assert relay_state(model).idle_static().cache.layers[0].keys.shape[0] == 2
     for m in (model, stock):
         m.model.layers[-1].self_attn.k_proj.weight.data[3] += 0.1

@@ -37,9 +37,10 @@ class CheckRow:
         n: the row's own tokens: the first ``min(CHECK_TOKENS, P)`` tokens of the kept prefix (``P`` tokens), those
             every kept segment's check recomputes.
         graph: the recorded prefill (``suffix_prefill._Graph``) that computed ``kv``, or ``None``.
-        kv: ``[layers * 2 * H_kv * n * D]`` the row's keys and values at every layer, flattened, as that replay
-            wrote them into the static cache; ``None`` where the call's prefill did not replay a recorded graph (its
-            first run at a length, a prefill left eager): then every segment's standalone check decides.
+        kv: ``[layers * 2 * H_kv * n * D]`` in the cache's dtype, on its device: the row's keys and values at every
+            layer, flattened, as that replay wrote them into the static cache; ``None`` where the call's prefill did
+            not replay a recorded graph (its first run at a length, a prefill left eager): then every segment's
+            standalone check decides.
     """
 
     def __init__(self, model, store, prefix_length: int):
@@ -83,19 +84,21 @@ class CheckRow:
         check is queued after the prefill (``freshness.check_stream`` waits for the caller's stream), so a weight
         written between the two fails it and no row computed under other weights than it passed is recorded."""
         if self.kv is not None:
-            reference = _reference(check, self.graph)
+            with self.store.checking():  # (the references: one thread at a time)
+                reference = _reference(check, self.graph)
             if reference is not None and bool(equal_on_device(reference, self.kv)):
                 return True
         with self.store.checking():  # one thread at a time replays a check's graph
             held = check.verdict(self.model, full_ids, {**memo, "check_row": None})
         held = bool(held)
         if held:
-            self.keep(check)
+            with self.store.checking():
+                self.keep(check)
         return held
 
     def keep(self, check: SegmentCheck) -> None:
         """Record the row as ``check``'s reference for its graph (nothing where the prefill replayed none); the
-        references of graphs since freed go."""
+        references of graphs since freed go. The caller holds the store's lock (``PrefixStore.checking``)."""
         if self.kv is None:
             return
         references = check.rows

@@ -266,8 +266,8 @@ class SegmentCheck(NamedTuple):
         replay: how a hit recomputes ``head`` (``_Replay``: a CUDA graph on CUDA).
         own: ``[n]`` int64 the segment's own token ids on the model's device (what ``_embedded`` reads on a hit).
         rows: what ``head``'s tokens gave as a check row of a recorded prefill, by graph
-            (``check_row.CheckRow.keep``): at most ``check_row.MAX_REFERENCES``, each of the head's size, not counted
-            in the store's budget.
+            (``check_row.CheckRow.keep``: ``{id(graph): (weakref to it, kv)}``, ``kv`` ``[layers * 2 * H_kv * n *
+            D]`` in the model's dtype): at most ``check_row.MAX_REFERENCES``, not counted in the store's budget.
     """
 
     head: torch.Tensor

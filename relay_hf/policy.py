@@ -320,6 +320,11 @@ def keep_reason(model) -> str | None:
     return model_reason(model) or (TRAINING if model.training else None)
 
 
+def runs_captured(model, fast: bool) -> bool:
+    """Whether the call runs on relay_hf's loop as CUDA graphs (``fast``: on relay_hf's loop; the model on CUDA)."""
+    return fast and model.device.type == "cuda"
+
+
 def cost_reason(rows: int, prefix_length: int, device: torch.device, min_prefix_length: int,
                 captured_loop: bool = False, shared_tokens: int | None = None) -> str | None:
     """``None`` when relay should serve this batch, else the reason it should not.
@@ -448,7 +453,7 @@ def _decide(model, call: dict, before_walk: Callable[[Grouping, bool], bool] | N
         raise RunStock("no new tokens to generate", expected=True)
     loop_why, processors = which_loop(model, gen, call, ids, mask, n_new)
     fast = loop_why is None
-    captured = fast and model.device.type == "cuda"  # relay_hf's loop as CUDA graphs
+    captured = runs_captured(model, fast)
     cache = user_cache(call)
     grouping = check_cache(model, cache, ids, n_pad) if cache is not None else batch_grouping(model, ids, n_pad, rows,
                                                                                            captured)
@@ -463,10 +468,11 @@ def _decide(model, call: dict, before_walk: Callable[[Grouping, bool], bool] | N
         raise RunStock(why)
     keeps = cache is None and keeps_prefixes(model)
     own = max(T - int(n) - p for n, p in zip(n_pad.tolist(), prefix_lengths))  # the longest row's own tokens
-    # a spare row for the kept prefix's check, where a recorded prefill can have one (``check_row.py``)
+    # a spare row for the kept prefix's check, where a recorded prefill can have one (``check_row.py``): its rows and
+    # the prefill's length, found once (a recording failing meanwhile in another thread changes neither)
     spare = DEFAULT_DECODE.check_row_bucket(rows) if keeps and captured and grouping.single else None
-    spare = spare if spare is not None and recorded_length(model, spare, own) is not None else None
-    kept_whole = keeps and before_walk is not None and before_walk(grouping, spare is not None)
+    spare_length = None if spare is None else recorded_length(model, spare, own)
+    kept_whole = keeps and before_walk is not None and before_walk(grouping, spare_length is not None)
     # the call's one walk of the model: what kept prefixes depend on, and the structure relay_hf's loop replays its
     # slot's recorded step and prefills under (``state.StaticSlot.made_under``); deferred where the loop confirms it
     # (``confirm_walk``) once the prefill is launched: the walk is a 32-layer model's 2-4 ms of host time
@@ -481,9 +487,9 @@ def _decide(model, call: dict, before_walk: Callable[[Grouping, bool], bool] | N
     static_rows, check_row = DEFAULT_DECODE.bucket(rows) if fast else rows, False
     if static:  # rounded up so similar calls reuse one captured step
         suffix = own
-        if spare is not None and kept_whole:
-            static_rows, check_row = spare, True
-        if captured and grouping.single:  # laid out at a recorded prefill's length
+        if spare_length is not None and kept_whole:
+            static_rows, check_row, suffix = spare, True, spare_length
+        elif captured and grouping.single:  # laid out at a recorded prefill's length
             suffix = recorded_length(model, static_rows, suffix) or suffix
         capacity = -(-(suffix + n_new) // STATIC_ROUNDING) * STATIC_ROUNDING
     return Route(True, "relay", rows=rows, prefix_length=P, static=static, fast_decode=fast,

@@ -147,11 +147,15 @@ def test_a_turn_launches_its_kept_prompts_check_before_the_walk_on_gpu(monkeypat
 
 
 @pytest.mark.gpu
-def test_nothing_between_a_turns_launch_and_its_verdict_waits_for_the_device_on_gpu(monkeypatch):
+@pytest.mark.parametrize("rows", [2, 1])
+def test_nothing_between_a_turns_launch_and_its_verdict_waits_for_the_device_on_gpu(monkeypatch, rows):
     """fp32 on CUDA: from the launch of a pinned prompt's check to the reading of its verdict (after the turn's own
     prefill is queued), the host never waits for the device (torch's sync debug mode raises on any wait), so the
-    check runs while the host lays the call out; the tokens are stock's."""
+    check runs while the host lays the call out; the tokens are stock's. A one-row turn launches no check (its check
+    is a row of its prefill, ``check_row.py``), and nothing before its verdict waits either."""
     model, stock, row, gen = _pinned_turn_on_cuda(seed=6, new_tokens=4)
+    row = row[:rows]
+    gen["attention_mask"] = gen["attention_mask"][:rows]
     expected = stock.generate(row, **gen)
     assert torch.equal(model.generate(row, **gen), expected)  # the first turn records what later turns replay
     launch, settle, seen = generate.launch_checks, PrefixStore.settle, []
@@ -174,4 +178,4 @@ def test_nothing_between_a_turns_launch_and_its_verdict_waits_for_the_device_on_
             assert model.relay_last_decision.prefix_kept == 40
     finally:
         torch.cuda.set_sync_debug_mode(0)
-    assert seen == [True, True]
+    assert seen == [rows == 2] * 2

@@ -234,3 +234,30 @@ def test_a_turn_after_a_change_is_decided_again_and_gives_stock_tokens(change, m
     routes.clear()
     assert torch.equal(model.generate(row, **gen), stock.generate(row, **gen))
     assert [r.deferred_walk for r in routes] == [True] and relay_hf.stats(model).prefix_hits == hits + 1
+
+
+def test_a_turn_whose_prefix_is_all_kept_gets_a_check_row_where_its_prefill_is_recorded(monkeypatch):
+    """Routed as on CUDA (``runs_captured``): a one-row turn under a kept prompt is told before the walk that it may
+    run a check row (so it launches no check), and, every segment kept, runs at two rows with the row, laid out at
+    a recorded length; where a segment is not kept, or the call has two rows (a full bucket), or its own tokens are
+    past every recorded length, at its own bucket without one."""
+    import relay_hf.policy as policy
+
+    model, _, row, gen = _turn_under_a_pinned_prompt()
+    monkeypatch.setattr(policy, "runs_captured", lambda model, fast: fast)
+    told = []
+
+    def before_walk(answer):
+        return lambda grouping, check_row: told.append(check_row) or answer
+
+    call = _call(row, gen["attention_mask"], max_new_tokens=4)
+    route = decide(model, call, before_walk(True))
+    assert told == [True] and route.check_row and route.static_rows == 2 and route.suffix_columns == 16
+    route = decide(model, call, before_walk(False))
+    assert told[-1] and not route.check_row and route.static_rows == 1
+    two = torch.cat([row, torch.cat([row[:, :40], row[:, 40:] % (VOCAB - 3) + 3], 1)])
+    route = decide(model, _call(two, torch.ones_like(two), max_new_tokens=4), before_walk(True))
+    assert told[-1] is False and not route.check_row and route.static_rows == 2
+    long = torch.cat([row, torch.randint(3, VOCAB, (1, 300))], 1)
+    route = decide(model, _call(long, torch.ones_like(long), max_new_tokens=4), before_walk(True))
+    assert told[-1] is False and not route.check_row and route.static_rows == 1

@@ -430,10 +430,10 @@ def decide(model, call: dict, before_walk: Callable[[Grouping, bool], bool] | No
     ``before_walk(grouping, check_row)``: called once the call is known to run relay over ``grouping`` and read the
     prefix store, before the model is walked (the caller launches the kept segments' checks there, so the device runs
     them while the host walks; ``check_row``: the call runs a check row where every segment is kept, so no check need
-    be launched); it answers whether every segment is kept and every check recorded as a CUDA
-    graph could be launched (none reads a tensor no longer where it was). ``defer_walk``: such a call on relay_hf's loop
-    is then routed under the model's latest walk, where the store's entries were built under it
-    (``Route.deferred_walk``): the caller owes ``confirm_walk`` before anything of the call is drawn or shown."""
+    be launched); it answers whether every segment is kept and every check recorded as a CUDA graph could be launched
+    (none reads a tensor no longer where it was). ``defer_walk``: such a call on relay_hf's loop is then routed under
+    the model's latest walk, where the store's entries were built under it (``Route.deferred_walk``): the caller owes
+    ``confirm_walk`` before anything of the call is drawn or shown."""
     try:
         return _decide(model, call, before_walk, defer_walk)
     except RunStock as why:

@@ -2,20 +2,26 @@
 
     python -m benchmarks.profile                                   # H200 / H100: Llama-3-8B shape, bf16
     python -m benchmarks.profile --calls continuous               # generate_batch on a kept manager (CUDA)
+    python -m benchmarks.profile --calls patch                    # relay_hf.patch alone, in a fresh process
     python -m benchmarks.profile --model-shape tiny --device cpu --dtype float32 --prefix-len 32 --batch 2 \\
         --user-len 4 --calls first one_row rows continuous --num-blocks 64 --max-batch-tokens 64   # CPU smoke run
 
 The workload is ``benchmarks.generate``'s (a system prompt of ``--prefix-len`` tokens, ``--batch`` rows of
 ``--user-len`` own tokens each) and ``benchmarks.serve``'s for continuous batching. Calls (``--calls``):
 
+* ``patch``: ``relay_hf.patch`` itself (its probe: in a fresh process the model's first forwards, so the first use
+  of the CUDA libraries, and of each attention kernel the probe's shapes select, falls in it);
 * ``first``: the first ``generate`` after ``relay_hf.patch`` (``--new-tokens`` new tokens, every row): the one-time
   setup of a new shape (compiling, capturing) and the system prompt's prefill;
 * ``one_row``: a warm chat turn: the first row alone, one new token, under the kept system prompt;
 * ``rows``: every row, one new token, under the kept system prompt;
+* ``steps``: every row, ``--step-tokens`` new tokens under the kept system prompt: the decode steps' kernels (each
+  counted once per step and layer) after one short prefill;
 * ``continuous``: ``generate_batch`` of the serving workload (``--requests``, ``--new-tokens``) on a manager kept
   from a first call of the same requests (``persistent_manager=True``).
 
-Per call it prints the wall time (the median of ``--reps`` warm calls; ``first`` runs once, under ``cProfile``),
+Per call it prints the wall time (the median of ``--reps`` warm calls; ``patch`` and ``first`` run once, under
+``cProfile``),
 then profiles further calls: on CUDA one for the device kernels' total time and count and the kernels that took
 longest (``torch.profiler``), and one for the host functions by cumulative time (``cProfile``, ``--top`` lines). A
 profile is a reading, not a figure: nothing is appended to the CSVs (the timed figures come from
@@ -41,7 +47,7 @@ from .common import environment, say, wall_s
 from .generate import SHAPES, _inputs, build_model
 from .serve import cb_config, generation_config, requests
 
-CALLS = ("first", "one_row", "rows", "continuous")
+CALLS = ("patch", "first", "one_row", "rows", "steps", "continuous")
 
 
 def host_profile(fn, top: int) -> str:
@@ -120,6 +126,7 @@ def main(argv=None) -> dict[str, float]:
     p.add_argument("--batch", type=int, default=64, help="B: rows of the generate calls")
     p.add_argument("--user-len", type=int, default=64, help="U: each row's own tokens")
     p.add_argument("--new-tokens", type=int, default=8, help="new tokens of the first call and of continuous batching")
+    p.add_argument("--step-tokens", type=int, default=128, help="steps: new tokens of the profiled call")
     p.add_argument("--requests", type=int, default=128, help="continuous: requests (own tokens 32-128, serve's)")
     p.add_argument("--num-blocks", type=int, default=None, help="continuous: cache pages (off CUDA: required)")
     p.add_argument("--max-batch-tokens", type=int, default=None, help="continuous: tokens per step (off CUDA: "
@@ -134,7 +141,11 @@ def main(argv=None) -> dict[str, float]:
           f"commit {env['commit']}")
     S, U, B, N = args.prefix_len, args.user_len, args.batch, args.new_tokens
     model = build_model(args.model_shape, device, getattr(torch, args.dtype), S + 2 * max(U, 128) + N + 256)
-    relay_hf.patch(model)
+    walls = {}
+    if "patch" in args.calls:
+        walls["patch"] = profile_call("relay_hf.patch", lambda: relay_hf.patch(model), device, 1, args.top, warm=False)
+    else:
+        relay_hf.patch(model)
     vocab = model.config.vocab_size
     system = torch.randint(10, vocab, (1, S), generator=torch.Generator().manual_seed(S)).to(device)
     rows = _inputs(system, B, U, vocab, 7 * B)
@@ -143,12 +154,11 @@ def main(argv=None) -> dict[str, float]:
     def generate(inputs, n):
         return lambda: model.generate(**inputs, max_new_tokens=n)
 
-    walls = {}
     with torch.no_grad():
         if "first" in args.calls:
             walls["first"] = profile_call("first call after patch", generate(rows, N), device, 1, args.top,
                                           warm=False)
-        else:
+        elif {"one_row", "rows", "steps"} & set(args.calls):
             generate(rows, N)()  # the setup and the prompt's prefill, so the calls below find it kept
         if "one_row" in args.calls:
             walls["one_row"] = profile_call("one row under the kept prompt, first token", generate(one, 1), device,
@@ -156,6 +166,9 @@ def main(argv=None) -> dict[str, float]:
         if "rows" in args.calls:
             walls["rows"] = profile_call(f"{B} rows under the kept prompt, first token", generate(rows, 1), device,
                                          args.reps, args.top)
+        if "steps" in args.calls:
+            walls["steps"] = profile_call(f"{B} rows under the kept prompt, {args.step_tokens} new tokens",
+                                          generate(rows, args.step_tokens), device, args.reps, args.top)
     if "continuous" in args.calls:
         served = requests(vocab, args.requests, S, 1, (32, 128), 0)
         config = cb_config(SimpleNamespace(page_size=None, num_blocks=args.num_blocks,

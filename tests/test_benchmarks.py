@@ -260,8 +260,9 @@ def test_profile_cpu_smoke_run_profiles_every_call_and_the_batching_thread(capsy
     from benchmarks import profile
 
     walls = profile.main(["--model-shape", "tiny", "--device", "cpu", "--dtype", "float32", "--prefix-len", "32",
-                          "--batch", "2", "--user-len", "4", "--new-tokens", "3", "--requests", "3", "--num-blocks",
-                          "64", "--max-batch-tokens", "64", "--reps", "1", "--top", "400", "--calls", *profile.CALLS])
+                          "--batch", "2", "--user-len", "4", "--new-tokens", "3", "--step-tokens", "3",
+                          "--requests", "3", "--num-blocks", "64", "--max-batch-tokens", "64", "--reps", "1",
+                          "--top", "400", "--calls", *profile.CALLS])
     assert set(walls) == set(profile.CALLS) and all(w > 0 for w in walls.values())
     out = capsys.readouterr().out
     assert out.count("function calls") == len(profile.CALLS)  # one host profile per call

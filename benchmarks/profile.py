@@ -15,16 +15,15 @@ The workload is ``benchmarks.generate``'s (a system prompt of ``--prefix-len`` t
   setup of a new shape (compiling, capturing) and the system prompt's prefill;
 * ``one_row``: a warm chat turn: the first row alone, one new token, under the kept system prompt;
 * ``rows``: every row, one new token, under the kept system prompt;
-* ``steps``: every row, ``--step-tokens`` new tokens under the kept system prompt: the decode steps' kernels (each
-  counted once per step and layer) after one short prefill;
+* ``steps``: every row, ``--step-tokens`` new tokens under the kept system prompt: the decode steps' kernels, each
+  counted once a step and layer, after one short prefill;
 * ``continuous``: ``generate_batch`` of the serving workload (``--requests``, ``--new-tokens``) on a manager kept
   from a first call of the same requests (``persistent_manager=True``).
 
 Per call it prints the wall time (the median of ``--reps`` warm calls; ``patch`` and ``first`` run once, under
-``cProfile``),
-then profiles further calls: on CUDA one for the device kernels' total time and count and the kernels that took
-longest (``torch.profiler``), and one for the host functions by cumulative time (``cProfile``, ``--top`` lines). A
-profile is a reading, not a figure: nothing is appended to the CSVs (the timed figures come from
+``cProfile``), then profiles further calls: on CUDA one for the device kernels' total time and count and the kernels
+that took longest (``torch.profiler``), and one for the host functions by cumulative time (``cProfile``, ``--top``
+lines). A profile is a reading, not a figure: nothing is appended to the CSVs (the timed figures come from
 ``benchmarks.generate`` and ``benchmarks.serve``).
 """
 

@@ -267,4 +267,5 @@ def test_profile_cpu_smoke_run_profiles_every_call_and_the_batching_thread(capsy
     out = capsys.readouterr().out
     assert out.count("function calls") == len(profile.CALLS)  # one host profile per call
     assert "relay_generate" in out  # the patched generate, inside the generate calls' profiles
+    assert "probe_reason" in out.split("=== relay_hf.patch")[1].split("===")[0]  # patch's own profile holds its probe
     assert "_generation_step" in out.split("generate_batch, 3 requests")[1]  # the manager thread's steps
